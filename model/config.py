@@ -1,0 +1,216 @@
+"""Model configuration: one frozen dataclass per family, with a nested MoE config.
+
+Defaults are the published values of each family (Llama, Switch Transformer, Mixtral); recipes
+override the sizes. Validation raises ``ValueError`` naming the field, the value and the fix.
+YAML parsing lives outside ``model/`` (see ``launch/recipe.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+FAMILIES = ("dense", "switch", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts FFN settings shared by the Switch and Mixtral families."""
+
+    num_experts: int = 8
+    """Experts per MoE layer."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    capacity_factor: float | None = None
+    """Training capacity factor; None = dropless, a number = ceil(k*T/E*cf) slots per expert."""
+    eval_capacity_factor: float | None = None
+    """Capacity factor in eval mode (Switch uses a larger one than in training)."""
+    normalize_top_k: bool = True
+    """Renormalize the top-k probabilities to sum to 1 (Mixtral); Switch keeps the raw probability."""
+    router_jitter: float = 0.0
+    """Multiplicative uniform noise U(1-eps, 1+eps) on the router input in training (Switch: 0.01)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss (Switch paper alpha = 1e-2)."""
+    z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE c_z = 1e-3)."""
+    moe_layer_freq: int = 1
+    """Every moe_layer_freq-th block has an MoE FFN (blocks freq-1, 2*freq-1, ...); the rest are MLPs."""
+
+    def capacity(self, num_tokens: int, training: bool) -> int | None:
+        """Slots per expert for ``num_tokens`` routed tokens, or None when dropless."""
+        cf = self.capacity_factor if training else self.eval_capacity_factor
+        if cf is None or math.isinf(cf):
+            return None
+        return math.ceil(self.top_k * num_tokens / self.num_experts * cf)
+
+    def validate(self, prefix: str = "model.moe") -> None:
+        _check_positive(f"{prefix}.num_experts", self.num_experts)
+        _check_positive(f"{prefix}.top_k", self.top_k)
+        _check_positive(f"{prefix}.moe_layer_freq", self.moe_layer_freq)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"{prefix}.top_k ({self.top_k}) exceeds {prefix}.num_experts ({self.num_experts}): "
+                f"choose top_k <= num_experts")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            cf = getattr(self, name)
+            if cf is not None and not cf > 0:
+                raise ValueError(f"{prefix}.{name} ({cf}) must be > 0, or null for dropless routing")
+        if not 0.0 <= self.router_jitter < 1.0:
+            raise ValueError(f"{prefix}.router_jitter ({self.router_jitter}) must be in [0, 1)")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{prefix}.{name} ({getattr(self, name)}) must be >= 0")
+
+
+def _switch_moe() -> MoEConfig:
+    # Switch Transformer (Fedus et al. 2021): top-1, raw probability as combine weight, train
+    # capacity 1.25 and eval 2.0 (the paper's Table 1 / ST-MoE values), jitter 1e-2, MoE every
+    # other FFN.
+    return MoEConfig(num_experts=8, top_k=1, capacity_factor=1.25, eval_capacity_factor=2.0,
+                     normalize_top_k=False, router_jitter=0.01, moe_layer_freq=2)
+
+
+def _mixtral_moe() -> MoEConfig:
+    # Mixtral (Jiang et al. 2024): 8 experts, top-2 renormalized, dropless, MoE in every block.
+    return MoEConfig(num_experts=8, top_k=2, capacity_factor=None, eval_capacity_factor=None,
+                     normalize_top_k=True, router_jitter=0.0, moe_layer_freq=1)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Architecture shared by all families (pre-norm RMSNorm, RoPE, GQA attention, SwiGLU)."""
+
+    family: ClassVar[str] = ""
+    vocab_size: int = 32000
+    """Vocabulary size (rows of the embedding and the output head)."""
+    hidden_size: int = 4096
+    """Model width."""
+    num_layers: int = 32
+    """Transformer blocks."""
+    num_heads: int = 32
+    """Query heads."""
+    num_kv_heads: int = 32
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    ffn_hidden_size: int = 11008
+    """SwiGLU inner size of the dense MLP and of each expert."""
+    max_seq_len: int = 4096
+    """Longest sequence the RoPE tables cover."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output head."""
+    init_std: float = 0.02
+    """Std of the normal init of every weight matrix (output projections scaled by 1/sqrt(2L))."""
+    moe: MoEConfig | None = None
+    """MoE settings; None for dense."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` has an MoE FFN instead of a dense MLP."""
+        if self.moe is None:
+            return False
+        return (layer_idx + 1) % self.moe.moe_layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def validate(self) -> "TransformerConfig":
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "ffn_hidden_size", "max_seq_len"):
+            _check_positive(f"model.{name}", getattr(self, name))
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "
+                f"({self.num_heads}): choose num_heads dividing hidden_size")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model.hidden_size/num_heads ({self.head_dim}) must be even for RoPE: "
+                f"change hidden_size or num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) is not divisible by model.num_kv_heads "
+                f"({self.num_kv_heads}): choose num_kv_heads dividing num_heads")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
+        if self.moe is not None:
+            self.moe.validate()
+        return self
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count; ``active=True`` counts only the experts a token is routed to."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
+        mlp = 3 * h * f
+        total = self.vocab_size * h * (1 if self.tie_embeddings else 2) + h
+        for i in range(L):
+            if self.is_moe_layer(i):
+                experts = self.moe.top_k if active else self.moe.num_experts
+                total += attn + experts * mlp + h * self.moe.num_experts
+            else:
+                total += attn + mlp
+        return total
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["family"] = self.family
+        return d
+
+
+@dataclass(frozen=True)
+class DenseConfig(TransformerConfig):
+    """Llama-style dense decoder (Touvron et al. 2023; Llama-2 7B defaults)."""
+
+    family: ClassVar[str] = "dense"
+
+    def validate(self) -> "DenseConfig":
+        if self.moe is not None:
+            raise ValueError("model.moe is set but model.family is dense: remove model.moe or "
+                             "choose family switch or mixtral")
+        return super().validate()
+
+
+@dataclass(frozen=True)
+class SwitchConfig(TransformerConfig):
+    """Decoder-only Switch Transformer (Fedus et al. 2021; Switch-Base-8 sizes by default)."""
+
+    family: ClassVar[str] = "switch"
+    vocab_size: int = 32128
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    ffn_hidden_size: int = 3072
+    max_seq_len: int = 512
+    moe: MoEConfig = field(default_factory=_switch_moe)
+
+
+@dataclass(frozen=True)
+class MixtralConfig(TransformerConfig):
+    """Mixtral sparse decoder (Jiang et al. 2024; Mixtral 8x7B sizes by default)."""
+
+    family: ClassVar[str] = "mixtral"
+    hidden_size: int = 4096
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    ffn_hidden_size: int = 14336
+    max_seq_len: int = 32768
+    rope_theta: float = 1e6
+    moe: MoEConfig = field(default_factory=_mixtral_moe)
+
+
+CONFIG_CLASSES: dict[str, type[TransformerConfig]] = {
+    "dense": DenseConfig, "switch": SwitchConfig, "mixtral": MixtralConfig}
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} ({value!r}) must be a positive integer")

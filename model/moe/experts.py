@@ -1,0 +1,72 @@
+"""SwiGLU experts stored as one stacked weight per projection, run as grouped GEMMs.
+
+Rows arrive grouped by expert (see ``dispatcher.py``); ``tokens_per_expert`` gives the group
+sizes. ``torch.nn.functional.grouped_mm`` multiplies each group by its own expert's matrix in one
+call, with no Python loop over experts and no padding of every expert to the busiest one. Where
+the kernel does not support the device/dtype (e.g. bf16 matrices whose rows are not 16-byte
+aligned on CPU, or an older torch), a per-expert loop computes the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# (device type, dtype) pairs where the grouped kernel has been seen to fail; filled lazily so that
+# the fallback costs one failed call per process, not one per step.
+_UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Grouped matmul: rows of group e are multiplied by ``w[e]``.
+
+    Args:
+        x: (N, K) rows grouped by expert.
+        w: (E, K, M) one matrix per expert.
+        tokens_per_expert: (E,) group sizes, summing to N.
+
+    Returns:
+        (N, M).
+    """
+    key = (x.device.type, x.dtype)
+    if hasattr(F, "grouped_mm") and key not in _UNSUPPORTED:
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)    # (E,) group ends
+        try:
+            return F.grouped_mm(x, w, offs=offsets)
+        except RuntimeError:
+            _UNSUPPORTED.add(key)
+    return _looped_mm(x, w, tokens_per_expert)
+
+
+def _looped_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Reference/fallback grouped matmul: one matmul per expert."""
+    chunks = torch.split(x, tokens_per_expert.tolist(), dim=0)
+    return torch.cat([chunk @ w[e] for e, chunk in enumerate(chunks)], dim=0)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: ``down(silu(x @ gate) * (x @ up))`` per expert.
+
+    Weights are stored in ``x @ W`` layout: ``gate_proj``/``up_proj`` are (E, H, I) and
+    ``down_proj`` is (E, I, H). (transformers' Mixtral stores the transposes, fused gate+up; the
+    converter transposes and splits.)
+
+    Args:
+        num_experts: experts held by this module (all of them, or this rank's share under EP).
+        hidden_size: H.
+        ffn_hidden_size: I, the inner size of each expert (this rank's slice under TP).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """(N, H) rows grouped by expert -> (N, H)."""
+        gate = grouped_mm(x, self.gate_proj, tokens_per_expert)     # (N, I)
+        up = grouped_mm(x, self.up_proj, tokens_per_expert)         # (N, I)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)  # (N, H)

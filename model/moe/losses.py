@@ -1,0 +1,39 @@
+"""MoE auxiliary losses and routing statistics (conventions fixed in DESIGN.md section 5).
+
+Both losses are computed per MoE layer from that layer's routing and averaged over layers by the
+model; they are returned, never stored in globals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        top_k: int) -> torch.Tensor:
+    """Switch/Megatron load-balancing loss, 1.0 at perfect balance.
+
+    ``aux = E / (k*T) * sum_i count_i * mean_prob_i``, where ``count_i`` counts the (token, slot)
+    assignments routed to expert i before any capacity drop, and ``mean_prob_i`` is the router
+    probability of expert i averaged over the T tokens. Only ``mean_prob`` carries gradient (the
+    counts come from an argmax), as in the Switch paper.
+
+    Args:
+        probs: (T, E) fp32 router probabilities.
+        tokens_per_expert: (E,) routed assignments per expert (sums to k*T).
+        top_k: k.
+    """
+    num_tokens, num_experts = probs.shape
+    mean_prob = probs.mean(dim=0)                                               # (E,)
+    counts = tokens_per_expert.to(probs.dtype)
+    return num_experts / (top_k * num_tokens) * torch.sum(counts * mean_prob)
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean over tokens of logsumexp(logits)^2`` (fp32)."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def router_entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of the entropy of the router distribution, in nats."""
+    return -(probs * torch.log(probs.clamp_min(1e-20))).sum(dim=-1).mean()

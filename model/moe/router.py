@@ -1,0 +1,58 @@
+"""Top-k router: fp32 softmax over all experts, top-k, optional renormalization, jitter.
+
+Both MoE families use this one function; their differences are config values:
+
+    Switch : softmax(all E) -> top-1 -> combine weight = that probability (no renormalization)
+    Mixtral: softmax(all E) -> top-2 -> renormalize the two probabilities to sum to 1
+
+The router runs in fp32 whatever the model dtype ("selective precision", Switch Transformer
+section 2.4): a bf16 softmax over experts is what made the paper's bf16 runs diverge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Routing:
+    """One routing decision for T tokens over E experts, k choices each."""
+
+    logits: torch.Tensor        # (T, E) fp32 router logits
+    probs: torch.Tensor         # (T, E) fp32 softmax over all experts
+    expert_idx: torch.Tensor    # (T, k) int64 chosen experts, best first
+    weights: torch.Tensor       # (T, k) fp32 combine weights
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool,
+          jitter: float = 0.0, training: bool = False,
+          generator: torch.Generator | None = None) -> Routing:
+    """Route tokens to experts.
+
+    Args:
+        x: (T, H) token activations, any dtype.
+        gate_weight: (E, H) router weight.
+        top_k: experts per token.
+        normalize: renormalize the top-k probabilities to sum to 1 (Mixtral) or keep them (Switch).
+        jitter: multiplicative noise eps; the router input is scaled by U(1-eps, 1+eps) in
+            training only (Switch Transformer's "jitter noise"). Only the router sees the noise;
+            the experts get the clean activations.
+        training: whether the module is in training mode.
+        generator: optional RNG for the jitter.
+
+    Returns:
+        The routing decision, all router math in fp32.
+    """
+    x32 = x.float()
+    if training and jitter > 0:
+        noise = torch.empty_like(x32).uniform_(1.0 - jitter, 1.0 + jitter, generator=generator)
+        x32 = x32 * noise
+    logits = F.linear(x32, gate_weight.float())                  # (T, E) fp32
+    probs = torch.softmax(logits, dim=-1)                        # (T, E)
+    weights, expert_idx = torch.topk(probs, top_k, dim=-1)       # (T, k), (T, k)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(logits=logits, probs=probs, expert_idx=expert_idx, weights=weights)
