@@ -211,6 +211,28 @@ CONFIG_CLASSES: dict[str, type[TransformerConfig]] = {
     "dense": DenseConfig, "switch": SwitchConfig, "mixtral": MixtralConfig}
 
 
+def config_from_dict(d: dict) -> TransformerConfig:
+    """Rebuild a model config from ``TransformerConfig.to_dict()`` output (family included)."""
+    d = dict(d)
+    family = d.pop("family")
+    if family not in CONFIG_CLASSES:
+        raise ValueError(f"model.family ({family!r}) must be one of {', '.join(FAMILIES)}")
+    moe = d.pop("moe", None)
+    cls = CONFIG_CLASSES[family]
+    _check_keys(d, cls, "model")
+    if moe is not None:
+        _check_keys(moe, MoEConfig, "model.moe")
+        d["moe"] = MoEConfig(**moe)
+    return cls(**d).validate()
+
+
+def _check_keys(d: dict, cls, prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown key {prefix}.{unknown[0]} (known: {', '.join(sorted(known))})")
+
+
 def _check_positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} ({value!r}) must be a positive integer")

@@ -36,6 +36,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Embedding(nn.Embedding):
+    """Token embedding that can also act as the tied output head.
+
+    ``forward(h, unembed=True)`` computes ``h @ weight.T``: reading the weight inside this
+    module's own forward is what lets ZeRO-3 gather it for the head as well.
+    """
+
+    def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
+        return F.linear(x, self.weight) if unembed else super().forward(x)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables in the "rotate half" layout that HF Llama/Mixtral weights assume."""
 
@@ -109,12 +120,28 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.ffn_hidden_size)
 
-    def forward(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, MoEAux | None]:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
+        # Selective activation checkpointing: recompute one sub-layer in backward.
+        self.checkpoint_attention = False
+        self.checkpoint_ffn = False
+
+    def _attention(self, x, rope):
+        return self.self_attn(self.input_layernorm(x), rope)
+
+    def _ffn(self, x):
         if self.is_moe:
-            y, aux = self.mlp(self.post_attention_layernorm(x))
-            return x + y, aux
-        return x + self.mlp(self.post_attention_layernorm(x)), None
+            return self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x)), None
+
+    def forward(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, MoEAux | None]:
+        if self.checkpoint_attention and self.training:
+            x = x + torch.utils.checkpoint.checkpoint(self._attention, x, rope, use_reentrant=False)
+        else:
+            x = x + self._attention(x, rope)
+        if self.checkpoint_ffn and self.training:
+            y, aux = torch.utils.checkpoint.checkpoint(self._ffn, x, use_reentrant=False)
+        else:
+            y, aux = self._ffn(x)
+        return x + y, aux
 
 
 @dataclass
@@ -144,13 +171,32 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        self.activation_checkpointing = False
+        self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
         self.reset_parameters()
+
+    def set_activation_checkpointing(self, policy: str) -> None:
+        """Choose what backward recomputes instead of storing.
+
+        ``none``; ``full`` (every block; stores only block inputs); ``attention`` (the attention
+        sub-layer of every block); ``moe`` (the MoE FFN sub-layers); ``every_k:<k>`` (blocks 0, k,
+        2k, ... whole).
+        """
+        n = self.cfg.num_layers
+        full = set(range(n)) if policy == "full" else set()
+        if policy.startswith("every_k:"):
+            full = set(range(0, n, int(policy.split(":", 1)[1])))
+        elif policy not in ("none", "full", "attention", "moe"):
+            raise ValueError(f"train.activation_checkpointing ({policy!r}) must be none, full, "
+                             f"attention, moe or every_k:<k>")
+        self.checkpoint_blocks = full
+        for layer in self.layers:
+            layer.checkpoint_attention = policy == "attention"
+            layer.checkpoint_ffn = policy == "moe" and layer.is_moe
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -167,23 +213,21 @@ class Transformer(nn.Module):
             else:
                 p.normal_(0.0, std, generator=generator)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),
         ``-100`` where no target."""
         x = self.embed_tokens(input_ids)                                   # (B, S, H)
         rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
         moe_aux = []
-        for layer in self.layers:
-            if self.activation_checkpointing and self.training:
+        for layer_idx, layer in enumerate(self.layers):
+            if self.training and layer_idx in self.checkpoint_blocks:
                 x, aux = torch.utils.checkpoint.checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x, aux = layer(x, rope)
             if aux is not None:
                 moe_aux.append(aux)
-        logits = F.linear(self.norm(x), self.output_weight())              # (B, S, V)
+        x = self.norm(x)
+        logits = self.embed_tokens(x, unembed=True) if self.lm_head is None else self.lm_head(x)  # (B, S, V)
         out = TransformerOutput(logits=logits, moe_aux=moe_aux)
         if moe_aux:
             out.aux_loss = torch.stack([a.aux_loss for a in moe_aux]).mean()

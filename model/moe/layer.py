@@ -14,7 +14,7 @@ import torch.nn as nn
 from model.config import MoEConfig
 from model.moe import dispatcher, losses
 from model.moe.experts import GroupedExperts
-from model.moe.router import route
+from model.moe.router import Routing, TopKRouter
 
 
 @dataclass
@@ -45,7 +45,8 @@ class MoELayer(nn.Module):
     def __init__(self, moe: MoEConfig, hidden_size: int, ffn_hidden_size: int):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)   # the router
+        self.gate = TopKRouter(hidden_size, moe.num_experts, moe.top_k, moe.normalize_top_k,
+                               moe.router_jitter)
         self.experts = GroupedExperts(moe.num_experts, hidden_size, ffn_hidden_size)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
@@ -53,8 +54,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                        # (T, H)
         num_tokens = x.shape[0]
-        routing = route(x, self.gate.weight, self.moe.top_k, self.moe.normalize_top_k,
-                        jitter=self.moe.router_jitter, training=self.training)
+        routing = Routing(*self.gate(x))
         capacity = self.moe.capacity(num_tokens, self.training)
         plan = dispatcher.plan_dispatch(routing.expert_idx, self.moe.num_experts, capacity)
         y = self.experts(dispatcher.permute(x, plan), plan.tokens_per_expert)   # (N, H)

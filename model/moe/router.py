@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -56,3 +57,30 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(logits=logits, probs=probs, expert_idx=expert_idx, weights=weights)
+
+
+class TopKRouter(nn.Module):
+    """The router's (E, H) weight and ``route`` as one module.
+
+    The weight is only read inside this module's ``forward``, and ``forward`` returns plain
+    tensors: ZeRO-3 gathers a partitioned parameter around its module's forward and, for the
+    backward, hooks the module's tensor outputs (it cannot see tensors inside a dataclass).
+
+    Args:
+        hidden_size: H.
+        num_experts: E.
+        top_k: experts per token.
+        normalize: renormalize the top-k probabilities (Mixtral) or not (Switch).
+        jitter: multiplicative router-input noise in training.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool,
+                 jitter: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.normalize, self.jitter = top_k, normalize, jitter
+
+    def forward(self, x: torch.Tensor):
+        """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32)."""
+        r = route(x, self.weight, self.top_k, self.normalize, self.jitter, self.training)
+        return r.logits, r.probs, r.expert_idx, r.weights

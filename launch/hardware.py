@@ -1,0 +1,64 @@
+"""GPU table and FLOP accounting, shared by the trainer's MFU and the memory estimator.
+
+Peaks are dense (no 2:4 sparsity) bf16 tensor-core figures from NVIDIA's datasheets; H200 has
+H100's compute with more and faster memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU model."""
+
+    name: str
+    memory_gb: float          # usable HBM, GB (1e9 bytes)
+    bf16_tflops: float        # dense bf16 peak, TFLOP/s
+    hbm_tb_s: float           # HBM bandwidth, TB/s
+    nvlink_gb_s: float        # NVLink bandwidth per GPU, GB/s (bidirectional)
+    network_gb_s: float       # typical inter-node bandwidth per GPU, GB/s (400 Gb/s NIC = 50)
+
+
+GPUS: dict[str, GPUSpec] = {g.name: g for g in [
+    GPUSpec("a100-40gb", 40, 312, 1.555, 600, 25),
+    GPUSpec("a100-80gb", 80, 312, 2.039, 600, 25),
+    GPUSpec("h100-80gb", 80, 989, 3.35, 900, 50),
+    GPUSpec("h200-141gb", 141, 989, 4.8, 900, 50),
+    GPUSpec("b200-192gb", 180, 2250, 8.0, 1800, 50),
+]}
+
+
+def detect_gpu(device_name: str) -> GPUSpec | None:
+    """Match ``torch.cuda.get_device_name()`` to the table (None when unknown)."""
+    name = device_name.lower()
+    for key, prefix in (("h200-141gb", "h200"), ("h100-80gb", "h100"), ("b200-192gb", "b200")):
+        if prefix in name:
+            return GPUS[key]
+    if "a100" in name:
+        return GPUS["a100-80gb" if "80" in name else "a100-40gb"]
+    return None
+
+
+def matmul_params_per_token(cfg: TransformerConfig) -> int:
+    """Matmul parameters a token passes through: attention, the MLP or the k routed experts plus
+    the router, and the output head (not the input embedding, a lookup)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    total = cfg.vocab_size * h            # output head
+    for i in range(cfg.num_layers):
+        total += attn
+        if cfg.is_moe_layer(i):
+            total += cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts
+        else:
+            total += 3 * h * f
+    return total
+
+
+def train_flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+    """6 x active matmul params + 6 x layers x hidden x seq (causal attention scores and values:
+    12*L*h*s halved by the causal mask)."""
+    return 6.0 * matmul_params_per_token(cfg) + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len

@@ -1,0 +1,338 @@
+"""Conversion between this repo's models and transformers' Llama / Mixtral (pure functions).
+
+Our parameter names are transformers' names without the ``model.`` prefix, so dense weights are a
+key copy. Only the MoE experts change layout:
+
+    ours (x @ W layout)                    transformers 5.x MixtralForCausalLM (W @ x layout)
+    experts.gate_proj (E, H, I)  \\
+    experts.up_proj   (E, H, I)  /  -->    experts.gate_up_proj (E, 2I, H) = cat(gate^T, up^T, dim=1)
+    experts.down_proj (E, I, H)     -->    experts.down_proj    (E, H, I)  = down^T
+
+``save_pretrained`` writes Mixtral experts to disk in the original per-expert layout
+(``block_sparse_moe.experts.N.w1/w2/w3``: w1 = gate^T, w3 = up^T, w2 = down^T, each 2-D);
+``from_hf_state_dict`` reads either layout.
+
+The "init dir" (what ``convert_hf.py import`` writes and ``train.py --init-from`` reads) holds
+``model_config.json`` (our ``cfg.to_dict()``), ``model.safetensors`` (our names) and optionally
+``tokenizer/``. This module imports transformers, never deepspeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
+
+from model.config import CONFIG_CLASSES, TransformerConfig, config_from_dict
+from model.transformer import Transformer
+
+__all__ = ["HF_MODEL_TYPES", "SWITCH_HF_DIFFERENCES", "from_hf_config", "from_hf_state_dict",
+           "load_init_dir", "save_init_dir", "to_hf_config", "to_hf_state_dict"]
+
+# model_type in an HF config.json -> our family.
+HF_MODEL_TYPES = {"llama": "dense", "mixtral": "mixtral"}
+INIT_CONFIG_FILE = "model_config.json"
+INIT_WEIGHTS_FILE = "model.safetensors"
+INIT_TOKENIZER_DIR = "tokenizer"
+# HF Mixtral has no router z-loss; we keep our coefficient in config.json under the name
+# transformers' SwitchTransformers uses for it (Mixtral ignores unknown attributes).
+Z_LOSS_ATTR = "router_z_loss_coef"
+
+SWITCH_EXPORT_ERROR = (
+    "model.family 'switch' cannot be exported to transformers: HF SwitchTransformers is a T5 "
+    "encoder-decoder (relative-position buckets instead of RoPE, unscaled attention, ReLU "
+    "wi/wo FFN instead of SwiGLU, integer per-sequence expert capacity) with no causal-LM class; "
+    "fix: train family mixtral for an HF-loadable MoE (see SWITCH_HF_DIFFERENCES in "
+    "launch/hf_interop.py)")
+
+# README text: why a Switch model has no exact HF export (checked against transformers 5.24,
+# transformers/models/switch_transformers/).
+SWITCH_HF_DIFFERENCES = """\
+Our `switch` family is a decoder-only Llama-style model with Switch routing; transformers'
+`SwitchTransformers` is the original T5-style model. Nothing in transformers loads our weights
+with the same outputs:
+
+- Architecture: `SwitchTransformersForConditionalGeneration` is an encoder-decoder (decoder blocks
+  add cross-attention); there is no decoder-only / `AutoModelForCausalLM` class for it.
+- Positions: T5 relative-position bias (learned, 32 buckets, max distance 128, one table in the
+  first layer shared by the rest); no RoPE. Attention logits are not scaled by 1/sqrt(head_dim)
+  (`scaling = 1.0`). Plain multi-head attention: no grouped-query (kv) heads.
+- FFN: two matrices, `wo(act(wi(x)))`, with `dense_act_fn = "relu"`, for both dense and expert
+  FFNs; ours is the three-matrix SwiGLU `down(silu(gate(x)) * up(x))`. (The config documents a
+  "gated-gelu" option, but the module has no gate matrix and 5.24 has no such activation.)
+- Norm: the same math. `SwitchTransformersLayerNorm` is an RMSNorm (no mean subtraction, no
+  bias, variance in fp32), default eps 1e-6 (ours 1e-5, configurable).
+- Router: `router.classifier` (optional bias), fp32 softmax, top-1, combine weight = the top
+  probability: the same as ours.
+- Capacity: a fixed integer `expert_capacity` per expert *per sequence* (tokens earlier in the
+  sequence win), the same in training and eval; ours is `ceil(k*T/E*cf)` over all T tokens of
+  the micro-batch, with separate train and eval factors. Overflow tokens pass through the
+  residual in both.
+- Jitter: HF multiplies the MoE input in place, so with fp32 activations the experts also see the
+  noisy input; ours scales the router input only.
+- Sparse layers: HF puts MoE FFNs on layers with `i % step == 1` (`step = num_layers //
+  num_sparse_decoder_layers`); ours on `(i + 1) % moe_layer_freq == 0`. The sets agree only for a
+  step/frequency of 2 (or every layer).
+- Auxiliary losses: HF computes the load-balancing and z losses once over all sparse layers
+  concatenated (per sequence, then averaged), sums encoder and decoder, skips both entirely when
+  every layer is sparse, and defaults `router_aux_loss_coef` to 1e-3; ours computes them per MoE
+  layer over the micro-batch and averages over layers (aux coefficient 1e-2, z 1e-3). The z-loss
+  formula, mean(logsumexp(logits)^2), is the same.
+- Output: with tied embeddings (HF's default) the decoder output is scaled by d_model**-0.5
+  before the LM head; dropout 0.1 by default (ours has none).
+"""
+
+
+# --------------------------------------------------------------------------- configs
+
+def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> PretrainedConfig:
+    """Our config as a transformers ``LlamaConfig`` (dense) or ``MixtralConfig`` (mixtral).
+
+    Raises:
+        ValueError: for the switch family and for MoE settings HF Mixtral cannot represent.
+    """
+    if cfg.family == "switch":
+        raise ValueError(SWITCH_EXPORT_ERROR)
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        attention_dropout=0.0, dtype=dtype)
+    if cfg.family == "dense":
+        return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+    if cfg.family != "mixtral":
+        raise ValueError(f"model.family ({cfg.family!r}) has no HF export: use dense or mixtral")
+    moe = cfg.moe
+    unsupported = [
+        (moe.capacity_factor is not None, f"model.moe.capacity_factor ({moe.capacity_factor}) is set "
+         "but HF Mixtral is dropless; fix: train with capacity_factor null"),
+        (moe.eval_capacity_factor is not None, f"model.moe.eval_capacity_factor "
+         f"({moe.eval_capacity_factor}) is set but HF Mixtral is dropless; fix: set it to null"),
+        (not moe.normalize_top_k, "model.moe.normalize_top_k is false but HF Mixtral always "
+         "renormalizes the top-k weights; fix: train with normalize_top_k true"),
+        (moe.moe_layer_freq != 1, f"model.moe.moe_layer_freq ({moe.moe_layer_freq}) != 1 but HF "
+         "Mixtral has an MoE FFN in every layer; fix: train with moe_layer_freq 1"),
+        (moe.router_jitter != 0, f"model.moe.router_jitter ({moe.router_jitter}) != 0 but HF "
+         "Mixtral's router_jitter_noise also scales the experts' inputs, not only the router's; "
+         "fix: train with router_jitter 0"),
+    ]
+    for bad, message in unsupported:
+        if bad:
+            raise ValueError(f"cannot export to HF MixtralForCausalLM: {message}")
+    return MixtralConfig(
+        **common, sliding_window=None, num_local_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef,
+        router_jitter_noise=0.0, output_router_logits=False, **{Z_LOSS_ATTR: moe.z_loss_coef})
+
+
+def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
+    """A transformers Llama / Mixtral config as our ``DenseConfig`` / ``MixtralConfig``.
+
+    Raises:
+        ValueError: naming the HF field for architectures or features our model does not have
+            (rope scaling, biases, a sliding window shorter than the context, ...).
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in HF_MODEL_TYPES:
+        archs = getattr(hf_config, "architectures", None) or []
+        raise ValueError(
+            f"config.json model_type ({model_type!r}{', ' + '/'.join(archs) if archs else ''}) is "
+            f"not supported: convert_hf imports llama (LlamaForCausalLM) and mixtral "
+            f"(MixtralForCausalLM) checkpoints only")
+    h, heads = hf_config.hidden_size, hf_config.num_attention_heads
+
+    def refuse(field: str, value, why: str) -> None:
+        raise ValueError(f"config.json {field} ({value!r}) is not supported: {why}")
+
+    if hf_config.hidden_act != "silu":
+        refuse("hidden_act", hf_config.hidden_act, "our MLP is SwiGLU (silu)")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if head_dim is not None and head_dim != h // heads:
+        refuse("head_dim", head_dim, f"ours is hidden_size/num_attention_heads ({h // heads})")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, field, False):
+            refuse(field, True, "our projections have no bias")
+    if getattr(hf_config, "attention_dropout", 0.0):
+        refuse("attention_dropout", hf_config.attention_dropout, "our attention has no dropout; set 0.0")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = rope.pop("rope_type", "default")
+    rope_theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        refuse("rope_parameters", hf_config.rope_parameters, "our RoPE has no scaling; use a checkpoint "
+               "with rope_type 'default'")
+    max_seq_len = hf_config.max_position_embeddings
+    common = dict(
+        vocab_size=hf_config.vocab_size, hidden_size=h, num_layers=hf_config.num_hidden_layers,
+        num_heads=heads, num_kv_heads=hf_config.num_key_value_heads or heads,
+        ffn_hidden_size=hf_config.intermediate_size, max_seq_len=max_seq_len,
+        rope_theta=float(rope_theta), norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings), init_std=hf_config.initializer_range)
+    if model_type == "llama":
+        return CONFIG_CLASSES["dense"](**common).validate()
+
+    window = getattr(hf_config, "sliding_window", None)
+    if window is not None and window < max_seq_len:
+        # A window at least as long as the context is the same as full causal attention.
+        refuse("sliding_window", window, f"our attention is full causal; it must be null or >= "
+               f"max_position_embeddings ({max_seq_len})")
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        refuse("router_jitter_noise", hf_config.router_jitter_noise, "HF's jitter also scales the "
+               "experts' inputs; set it to 0.0 (our router-only jitter is model.moe.router_jitter)")
+    moe_defaults = CONFIG_CLASSES["mixtral"]().moe
+    moe = dataclasses.replace(
+        moe_defaults, num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+        aux_loss_coef=float(hf_config.router_aux_loss_coef),
+        z_loss_coef=float(getattr(hf_config, Z_LOSS_ATTR, moe_defaults.z_loss_coef)))
+    return CONFIG_CLASSES["mixtral"](**common, moe=moe).validate()
+
+
+# --------------------------------------------------------------------------- state dicts
+
+def _reference_shapes(cfg: TransformerConfig) -> dict[str, torch.Size]:
+    """Our parameter names and shapes for ``cfg``, read off a model built on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {name: p.shape for name, p in model.state_dict().items()}
+
+
+def _check_keys(have, want, what: str) -> None:
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{what} does not match the config: missing {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{' ...' if len(unexpected) > 5 else ''}")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape, what: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{what} tensor {name} has shape {tuple(tensor.shape)} but the config "
+                         f"implies {tuple(shape)}")
+
+
+def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict -> the in-memory state dict of transformers' Llama/MixtralForCausalLM.
+
+    With tied embeddings ``lm_head.weight`` is emitted as the embedding (HF's model has both keys).
+    The exact inverse of ``from_hf_state_dict``.
+    """
+    shapes = _reference_shapes(cfg)
+    _check_keys(our_sd, shapes, "state dict")
+    out = {}
+    for name, t in our_sd.items():
+        _check_shape(name, t, shapes[name], "state dict")
+        if name.endswith("mlp.experts.up_proj"):
+            continue                                                   # fused with gate_proj
+        if name.endswith("mlp.experts.gate_proj"):
+            up = our_sd[name.removesuffix("gate_proj") + "up_proj"]
+            # (E, H, I) x2 -> (E, 2I, H)
+            fused = torch.cat((t.transpose(1, 2), up.transpose(1, 2)), dim=1)
+            out["model." + name.removesuffix("gate_proj") + "gate_up_proj"] = fused.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            out["model." + name] = t.transpose(1, 2).contiguous()    # (E, I, H) -> (E, H, I)
+        elif name == "lm_head.weight":
+            out[name] = t
+        else:
+            out["model." + name] = t
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _fuse_legacy_experts(hf_sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """On-disk per-expert Mixtral keys (``block_sparse_moe.experts.N.w1/w2/w3.weight``) -> the
+    in-memory fused layout (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``)."""
+    out, layers = {}, set()
+    for name, t in hf_sd.items():
+        if ".block_sparse_moe.experts." in name:
+            layers.add(name.split(".block_sparse_moe.")[0])
+        else:
+            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    for prefix in sorted(layers):
+        def stack(w: str) -> torch.Tensor:
+            keys = [f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(num_experts)]
+            if missing := [k for k in keys if k not in hf_sd]:
+                raise ValueError(f"HF checkpoint lacks {missing[0]} (num_local_experts is {num_experts})")
+            return torch.stack([hf_sd[k] for k in keys])
+        # w1 = gate (I, H), w3 = up (I, H), w2 = down (H, I), per expert
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat((stack("w1"), stack("w3")), dim=1)
+        out[f"{prefix}.mlp.experts.down_proj"] = stack("w2")
+    return out
+
+
+def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers Llama/MixtralForCausalLM state dict -> ours (contiguous tensors).
+
+    Accepts the in-memory fused expert layout and the on-disk per-expert one. ``lm_head.weight`` is
+    dropped when the embeddings are tied; legacy ``rotary_emb.inv_freq`` buffers are ignored.
+    """
+    hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.moe is not None and any(".block_sparse_moe." in k for k in hf_sd):
+        hf_sd = _fuse_legacy_experts(hf_sd, cfg.moe.num_experts)
+    if cfg.tie_embeddings:
+        hf_sd.pop("lm_head.weight", None)
+    shapes = _reference_shapes(cfg)
+    out = {}
+    for name, t in hf_sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removeprefix("model.").removesuffix("gate_up_proj")
+            gate, up = t.chunk(2, dim=1)                                 # (E, 2I, H) -> 2 x (E, I, H)
+            out[prefix + "gate_proj"] = gate.transpose(1, 2).contiguous()   # (E, H, I)
+            out[prefix + "up_proj"] = up.transpose(1, 2).contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            out[name.removeprefix("model.")] = t.transpose(1, 2).contiguous()  # (E, H, I) -> (E, I, H)
+        elif name == "lm_head.weight":
+            out[name] = t.contiguous()
+        elif name.startswith("model."):
+            out[name.removeprefix("model.")] = t.contiguous()
+        else:
+            out[name] = t                     # reported as unexpected below
+    _check_keys(out, shapes, "HF checkpoint (in our names)")
+    for name, t in out.items():
+        _check_shape(name, t, shapes[name], "HF checkpoint (in our names)")
+    return out
+
+
+# --------------------------------------------------------------------------- init dir
+
+def save_init_dir(out_dir: Path, cfg: TransformerConfig, state_dict: dict[str, torch.Tensor],
+                  tokenizer=None) -> None:
+    """Write an init dir: ``model_config.json``, ``model.safetensors`` and ``tokenizer/``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / INIT_CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out_dir / INIT_WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir / INIT_TOKENIZER_DIR))
+
+
+def load_init_dir(init_dir: Path):
+    """Read an init dir written by ``convert_hf.py import``.
+
+    Returns:
+        (config, state dict in our names, tokenizer or None)
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: for a malformed ``model_config.json``.
+    """
+    init_dir = Path(init_dir)
+    for name in (INIT_CONFIG_FILE, INIT_WEIGHTS_FILE):
+        if not (init_dir / name).is_file():
+            raise FileNotFoundError(
+                f"--init-from {init_dir}: no {name}; fix: create the folder with "
+                f"`python launch/convert_hf.py import --hf HF_DIR --out {init_dir}`")
+    cfg = config_from_dict(json.loads((init_dir / INIT_CONFIG_FILE).read_text()))
+    state_dict = load_file(str(init_dir / INIT_WEIGHTS_FILE))
+    tokenizer = None
+    if (init_dir / INIT_TOKENIZER_DIR).is_dir():
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(init_dir / INIT_TOKENIZER_DIR), local_files_only=True)
+    return cfg, state_dict, tokenizer

@@ -1,0 +1,205 @@
+"""MoE routing semantics (DESIGN.md section 5), single process, fp32 unless stated."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.config import MoEConfig, SwitchConfig
+from model.moe import dispatcher, losses
+from model.moe.experts import _looped_mm, grouped_mm
+from model.moe.layer import MoELayer
+from model.moe.router import route
+from model.transformer import MLP
+
+H, I = 16, 24
+
+
+def _layer(moe: MoEConfig, seed: int = 0) -> MoELayer:
+    torch.manual_seed(seed)
+    layer = MoELayer(moe, H, I)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def test_aux_loss_is_one_at_perfect_balance():
+    # Uniform probabilities and equal counts: E/(kT) * E * (kT/E) * (1/E) = 1.
+    T, E, k = 12, 4, 2
+    probs = torch.full((T, E), 1.0 / E)
+    counts = torch.full((E,), k * T // E)
+    assert losses.load_balancing_loss(probs, counts, k).item() == pytest.approx(1.0, abs=1e-7)
+    # Non-uniform per-token probabilities whose mean is uniform also give exactly 1.
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1],
+                          [0.1, 0.1, 0.7, 0.1], [0.1, 0.1, 0.1, 0.7]])
+    assert losses.load_balancing_loss(probs, torch.tensor([2, 2, 2, 2]), 2).item() == pytest.approx(1.0)
+
+
+def test_aux_and_z_loss_hand_computation_on_fixed_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.0],
+                           [0.0, 3.0, 1.0],
+                           [1.0, 1.0, 1.0],
+                           [0.5, 0.0, 2.5]])
+    T, E, k = 4, 3, 2
+    probs = torch.softmax(logits, -1)
+    _, idx = probs.topk(k, -1)
+    # Hand computation with Python loops (independent of the vectorised code).
+    counts = [0] * E
+    for t in range(T):
+        for e in idx[t].tolist():
+            counts[e] += 1
+    mean_prob = [sum(probs[t, e].item() for t in range(T)) / T for e in range(E)]
+    expected = E / (k * T) * sum(c * p for c, p in zip(counts, mean_prob))
+    got = losses.load_balancing_loss(probs, torch.tensor(counts), k)
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+    # transformers' Mixtral loss on the same logits is k times ours (it sums the top-k one-hot
+    # fractions without dividing by k); check against it as an outside reference.
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    hf = load_balancing_loss_func((logits,), num_experts=E, top_k=k)
+    assert got.item() == pytest.approx(hf.item() / k, rel=1e-6)
+    z_expected = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / T
+    assert losses.router_z_loss(logits).item() == pytest.approx(z_expected, rel=1e-6)
+
+
+def test_dispatch_plan_matches_written_table():
+    # The docstring example of dispatcher.py.
+    expert_idx = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 0]])
+    plan = dispatcher.plan_dispatch(expert_idx, num_experts=3, capacity=2)
+    assert plan.token_idx.tolist() == [0, 1, 0, 2, 3, 1]
+    assert plan.slot_idx.tolist() == [0, 0, 1, 1, 0, 1]
+    assert plan.tokens_per_expert.tolist() == [2, 2, 2]
+    assert plan.routed_per_expert.tolist() == [4, 2, 2]
+    assert plan.num_dropped.item() == 2
+    dropless = dispatcher.plan_dispatch(expert_idx, num_experts=3)
+    assert dropless.token_idx.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
+    assert dropless.tokens_per_expert.tolist() == [4, 2, 2]
+
+
+def test_switch_capacity_drops_exactly_the_rule():
+    # Router = identity on the first E features, so token t goes to expert argmax(x_t[:E]).
+    E = 4
+    moe = MoEConfig(num_experts=E, top_k=1, capacity_factor=1.0, eval_capacity_factor=1.0,
+                    normalize_top_k=False)
+    layer = _layer(moe)
+    with torch.no_grad():
+        layer.gate.weight.zero_()
+        layer.gate.weight[:, :E] = torch.eye(E) * 10
+    # 8 tokens -> capacity ceil(1*8/4*1.0) = 2 per expert.
+    targets = [0, 0, 0, 1, 2, 0, 3, 1]
+    #  token:  0  1  2  3  4  5  6  7
+    #  expert 0 gets tokens 0, 1, 2, 5 -> keeps 0, 1; drops 2, 5 (position 3 and 4 in line)
+    #  expert 1 gets 3, 7; expert 2 gets 4; expert 3 gets 6: all kept
+    expected_dropped = [2, 5]
+    x = torch.randn(1, 8, H) * 0.1
+    for t, e in enumerate(targets):
+        x[0, t, e] = 1.0
+    layer.eval()
+    out, aux = layer(x)
+    dropped = [t for t in range(8) if torch.all(out[0, t] == 0)]
+    assert dropped == expected_dropped
+    assert aux.dropped_frac.item() == pytest.approx(2 / 8)
+    assert aux.tokens_per_expert.tolist() == [4, 2, 1, 1]
+    # Kept tokens are scaled by the raw top-1 probability (no renormalization).
+    probs = torch.softmax(x[0].float() @ layer.gate.weight.t(), -1)
+    t = 3
+    mlp_out = layer.experts(x[0, t:t + 1], torch.tensor([0, 1, 0, 0]))
+    assert torch.allclose(out[0, t], mlp_out[0] * probs[t, 1], atol=1e-6)
+
+
+def test_switch_with_one_expert_equals_dense_mlp():
+    moe = MoEConfig(num_experts=1, top_k=1, capacity_factor=None, normalize_top_k=False)
+    layer = _layer(moe)
+    mlp = MLP(H, I)
+    with torch.no_grad():
+        mlp.gate_proj.weight.copy_(layer.experts.gate_proj[0].t())
+        mlp.up_proj.weight.copy_(layer.experts.up_proj[0].t())
+        mlp.down_proj.weight.copy_(layer.experts.down_proj[0].t())
+    x = torch.randn(2, 5, H)
+    out, aux = layer(x)
+    # One expert: softmax over one logit is exactly 1.0, so the combine weight is exactly 1.
+    torch.testing.assert_close(out, mlp(x), rtol=1e-6, atol=1e-6)
+    assert aux.aux_loss.item() == pytest.approx(1.0)
+
+
+def test_dropless_equals_infinite_capacity():
+    x = torch.randn(2, 16, H)
+    dropless = _layer(MoEConfig(num_experts=4, top_k=2, capacity_factor=None))
+    # A capacity factor of E makes capacity k*T, more than any expert can receive: the capacity
+    # code path runs but drops nothing.
+    big = _layer(MoEConfig(num_experts=4, top_k=2, capacity_factor=4.0))
+    big.load_state_dict(dropless.state_dict())
+    a, aux_a = dropless(x)
+    b, aux_b = big(x)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert aux_b.dropped_frac.item() == 0.0
+    assert MoEConfig(capacity_factor=math.inf).capacity(100, training=True) is None
+
+
+def test_jitter_only_in_training():
+    moe = MoEConfig(num_experts=4, top_k=1, normalize_top_k=False, router_jitter=0.5)
+    layer = _layer(moe)
+    clean = _layer(MoEConfig(num_experts=4, top_k=1, normalize_top_k=False, router_jitter=0.0))
+    clean.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 64, H)
+    layer.eval(), clean.eval()
+    torch.testing.assert_close(layer(x)[0], clean(x)[0], rtol=0, atol=0)
+    layer.train(), clean.train()
+    torch.manual_seed(1)
+    noisy = layer(x)[0]
+    assert not torch.allclose(noisy, clean(x)[0])
+
+
+def test_router_math_is_fp32_under_bf16():
+    layer = _layer(MoEConfig(num_experts=8, top_k=2)).to(torch.bfloat16)
+    x = torch.randn(3, 8, H, dtype=torch.bfloat16)
+    r = route(x.reshape(-1, H), layer.gate.weight, 2, True)
+    assert r.logits.dtype == r.probs.dtype == r.weights.dtype == torch.float32
+    ref = x.reshape(-1, H).float() @ layer.gate.weight.float().t()
+    torch.testing.assert_close(r.logits, ref, rtol=1e-6, atol=1e-6)
+    # The bf16 logits would differ: the fp32 path is not a no-op.
+    assert not torch.equal(F.linear(x.reshape(-1, H), layer.gate.weight).float(), r.logits)
+    out, aux = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert aux.z_loss.dtype == aux.aux_loss.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_mm_matches_loop_including_empty_experts(dtype):
+    torch.manual_seed(0)
+    counts = torch.tensor([0, 5, 3, 0, 8])
+    x = torch.randn(int(counts.sum()), 16, dtype=dtype, requires_grad=True)
+    w = torch.randn(5, 16, 8, dtype=dtype, requires_grad=True)
+    y = grouped_mm(x, w, counts)
+    ref = _looped_mm(x, w, counts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(gx, rx, rtol=tol, atol=tol)
+    torch.testing.assert_close(gw, rw, rtol=tol, atol=tol)
+    assert torch.all(gw[0] == 0) and torch.all(gw[3] == 0)
+
+
+def test_mixtral_layer_matches_per_token_reference():
+    # Reference: for each token, sum over its top-2 experts of renormalized prob * SwiGLU_e(x).
+    layer = _layer(MoEConfig(num_experts=4, top_k=2))
+    x = torch.randn(1, 6, H)
+    out, _ = layer(x)
+    probs = torch.softmax(x[0] @ layer.gate.weight.t(), -1)
+    for t in range(6):
+        p, e = probs[t].topk(2)
+        p = p / p.sum()
+        ref = sum(p[j] * (F.silu(x[0, t] @ layer.experts.gate_proj[e[j]]) * (x[0, t] @ layer.experts.up_proj[e[j]]))
+                  @ layer.experts.down_proj[e[j]] for j in range(2))
+        torch.testing.assert_close(out[0, t], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_switch_family_places_moe_every_other_block():
+    cfg = SwitchConfig(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=4,
+                       ffn_hidden_size=48, max_seq_len=32).validate()
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert cfg.moe.top_k == 1 and cfg.moe.normalize_top_k is False
+    assert cfg.moe.capacity(100, training=True) == math.ceil(100 / 8 * 1.25)
+    assert cfg.moe.capacity(100, training=False) == math.ceil(100 / 8 * 2.0)
