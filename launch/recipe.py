@@ -307,7 +307,10 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
     if not path.is_file():
         raise ValueError(f"--recipe: file not found: {path} (pass a YAML from recipes/)")
     try:
-        raw = yaml.load(path.read_text(), Loader=_StrictLoader)
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--recipe: {path} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+                         f"save it as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""

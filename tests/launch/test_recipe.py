@@ -72,7 +72,7 @@ def test_tiny_recipes_are_cpu_sized_with_comparable_active_params(name):
     r, dense = _tiny(name), _tiny("tiny_dense.yaml")
     assert r.data.source == "stdlib" and not r.tracking.wandb
     assert r.tokenizer_vocab_size == 4096 and r.seq_len == 128
-    assert (r.train.steps, r.train.save_every, r.eval.every) == (200, 100, 100)
+    assert (r.train.steps, r.train.save_every, r.eval.every) == (300, 100, 100)
     assert r.model.num_params() < 5_000_000
     # Experts are sized so that a token meets the same FFN width in every family.
     assert r.model.num_params(active=True) == pytest.approx(dense.model.num_params(), rel=0.01)

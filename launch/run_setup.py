@@ -1,0 +1,263 @@
+"""The pieces ``train.py`` wires together: up-front checks, process groups, tokenizer, data, model,
+DeepSpeed engine, resolved config and tracking. ``train.py`` reads as the straight line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from launch import data as data_lib
+from launch import checkpoint, optim, schedules
+from launch.hardware import detect_gpu, train_flops_per_token
+from launch.recipe import Recipe
+from launch.tokenization import load_tokenizer
+from launch.tracking import MFU_NOTE, Progress, Tracker
+from model import Transformer
+from model.parallel import comm
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / ".cache"
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks that run before any process group exists or any file is written.
+
+def data_parallel_size(recipe: Recipe, world_size: int) -> int:
+    par = recipe.parallel
+    if (par.tensor_parallel_size, par.expert_parallel_size, par.pipeline_parallel_size) != (1, 1, 1):
+        raise ValueError(
+            "parallel: tensor/expert/pipeline parallel sizes > 1 are not wired into train.py yet "
+            "(set parallel.*_parallel_size=1; data parallelism and ZeRO work at any world size)")
+    return world_size
+
+
+def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
+    """Apply the JSON's optional lr scaling and fill its "auto" scheduler values from the run
+    length, so that a bad schedule fails now and config.json records what actually runs."""
+    ds = schedules.resolve_auto(optim.apply_lr_scaling(ds), recipe.train.steps)
+    _, ours = schedules.split_scheduler(ds)
+    if ours is not None:
+        schedules.lr_multiplier(ours, recipe.train.steps)      # validates our schedule's params
+    return ds
+
+
+def check_data_source(recipe: Recipe) -> None:
+    """Resolve the data source now, so a missing file fails before anything is written."""
+    data_lib.load_documents(recipe.data.source, recipe.data.text_field)
+
+
+def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:
+    if init_from is None:
+        return None
+    path = Path(init_from)
+    if not (path / "model_config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ValueError(f"--init-from {path}: not an init dir (expected model_config.json and "
+                         f"model.safetensors; make one with `python launch/convert_hf.py import`)")
+    from model.config import config_from_dict
+    try:
+        cfg = config_from_dict(json.loads((path / "model_config.json").read_text(encoding="utf-8")))
+    except (ValueError, KeyError, TypeError) as e:      # bad JSON or UTF-8, missing or bad keys
+        raise ValueError(f"--init-from {path}: model_config.json is invalid ({type(e).__name__}: {e}); "
+                         f"re-create the init dir with `python launch/convert_hf.py import`") from None
+    if cfg != recipe.model:
+        raise ValueError(f"--init-from {path}: its model config differs from the recipe's model "
+                         f"section (copy model_config.json's values into the recipe)")
+    return path
+
+
+def check_run_dir(run_dir: Path, recipe: Recipe) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir}: exists and is not a directory (choose another path)")
+    blocker = next((p for p in run_dir.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"--run-dir {run_dir}: {blocker} is a file, not a directory (choose another path)")
+    saved = run_dir / "config.json"
+    # latest_tag refuses a pointer to a missing checkpoint now, not after files were written.
+    if checkpoint.latest_tag(run_dir / "checkpoints") is not None and saved.is_file():
+        old = checkpoint.read_run_config(run_dir)["recipe"]["model"]
+        if old != recipe.model.to_dict():
+            raise ValueError(f"--run-dir {run_dir}: holds checkpoints of a different model; "
+                             f"resume with the original recipe or choose a new --run-dir")
+
+
+# ----------------------------------------------------------------------------------------------
+# Process groups.
+
+@dataclass
+class DistContext:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dp_group: object = None        # None = the default group (all ranks are data-parallel peers)
+    gpu: object = None             # launch.hardware.GPUSpec when on a known GPU
+
+    def flops_per_token(self, cfg, recipe: Recipe) -> float:
+        return train_flops_per_token(cfg, recipe.seq_len)
+
+    def add_gpu_metrics(self, row: dict, flops_per_token: float) -> None:
+        if self.device.type != "cuda":
+            return
+        row["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+        if self.gpu is not None:
+            per_gpu_tokens_s = row["tokens_per_s"] / self.world_size
+            row["mfu"] = per_gpu_tokens_s * flops_per_token / (self.gpu.bf16_tflops * 1e12)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> DistContext:
+    """Create the default process group (gloo on CPU, NCCL on GPU) through DeepSpeed.
+
+    Plain ``python launch/train.py`` gets single-process defaults: without them DeepSpeed falls
+    back to MPI discovery and fails.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        gpu = detect_gpu(torch.cuda.get_device_name(device))
+    else:
+        device, gpu = torch.device("cpu"), None
+    return DistContext(rank, world, local_rank, device, gpu=gpu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer, data, model, engine.
+
+def build_tokenizer(recipe: Recipe, run_dir: Path, init_from: Path | None, ctx: DistContext):
+    """Rank 0 trains (or loads) the tokenizer first and saves it into the run directory; the
+    other ranks then read the cache.
+
+    Returns:
+        (tokenizer, corpus splits), the corpus being reused by ``build_data``.
+    """
+    path = recipe.tokenizer.path
+    if init_from is not None and path is None and (init_from / "tokenizer").is_dir():
+        path = str(init_from / "tokenizer")
+    corpus = data_lib.load_corpus(recipe.data.source, recipe.data.text_field,
+                                  recipe.data.val_fraction, recipe.data.max_bytes)
+    vocab = recipe.tokenizer_vocab_size
+
+    def load():
+        return load_tokenizer(path, [d.corpus_item() for d in corpus.train], vocab, CACHE_DIR,
+                              max_train_bytes=recipe.tokenizer.train_bytes)
+    tokenizer = load() if ctx.rank == 0 else None
+    comm.barrier()
+    tokenizer = tokenizer or load()
+    if len(tokenizer) > recipe.model.vocab_size:
+        raise ValueError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the "
+                         f"tokenizer ({len(tokenizer)} tokens): raise model.vocab_size")
+    if ctx.rank == 0:
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+    return tokenizer, corpus
+
+
+def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: DistContext):
+    """The training sampler for this rank and its validation batches."""
+    seq_len = recipe.seq_len
+    streams = []
+    for docs in (corpus.train, corpus.val):        # rank 0 tokenizes and caches first
+        tokens = data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR) if ctx.rank == 0 else None
+        comm.barrier()
+        streams.append(tokens if tokens is not None else
+                       data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR))
+    dp_rank = ctx.rank % dp_size
+    layout = data_lib.BatchLayout(ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+                                  dp_size, dp_rank)
+    sampler = data_lib.PackedSampler(streams[0], seq_len, layout, recipe.train.seed)
+    val = data_lib.validation_batches(streams[1], seq_len, layout,
+                                      recipe.eval.batches * ds["train_micro_batch_size_per_gpu"] * dp_size)
+    return sampler, val
+
+
+def build_model(recipe: Recipe, init_from: Path | None) -> Transformer:
+    model = Transformer(recipe.model)
+    if init_from is not None:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(str(init_from / "model.safetensors")), strict=True)
+    model.set_activation_checkpointing(recipe.train.activation_checkpointing)
+    return model
+
+
+def build_engine(model: Transformer, ds: dict, total_steps: int):
+    """``deepspeed.initialize`` with our parameter groups, optimizer and scheduler choices."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    ds, our_sched = schedules.split_scheduler(ds)
+    wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
+    groups = optim.param_groups(model, wd)
+    client_opt, ds = optim.maybe_build_client_optimizer(ds, groups, get_accelerator().device_name())
+    lr_scheduler = None
+    if our_sched is not None:
+        def lr_scheduler(opt):
+            return schedules.build_scheduler(our_sched, opt, total_steps)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client_opt,
+                                      lr_scheduler=lr_scheduler, config=ds)
+    return engine
+
+
+# ----------------------------------------------------------------------------------------------
+# Outputs.
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) -> dict:
+    import deepspeed
+    import transformers
+    par = recipe.parallel
+    return {
+        "recipe": recipe.to_dict(),
+        "ds_config": ds,
+        "world": {"world_size": ctx.world_size, "data_parallel_size": dp_size,
+                  "tensor_parallel_size": par.tensor_parallel_size,
+                  "expert_parallel_size": par.expert_parallel_size,
+                  "pipeline_parallel_size": par.pipeline_parallel_size,
+                  "device": str(ctx.device.type), "gpu": ctx.gpu.name if ctx.gpu else None},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "deepspeed": deepspeed.__version__, "transformers": transformers.__version__},
+        "git_commit": _git_commit(),
+        "mfu_definition": MFU_NOTE,
+    }
+
+
+def write_config(run_dir: Path, recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) -> None:
+    tmp = run_dir / ".config.json.tmp"
+    tmp.write_text(json.dumps(resolved_config(recipe, ds, ctx, dp_size), indent=2) + "\n")
+    os.replace(tmp, run_dir / "config.json")
+
+
+def build_tracking(recipe: Recipe, run_dir: Path, rank0: bool, start_step: int, ds: dict,
+                   ctx: DistContext, dp_size: int):
+    config = resolved_config(recipe, ds, ctx, dp_size) if rank0 else None
+    tracker = Tracker(run_dir, rank0, recipe.tracking, config,
+                      resume_step=start_step if start_step else None, run_name=recipe.name)
+    progress = Progress(recipe.train.steps, recipe.train.log_every, start_step, rank0)
+    return tracker, progress

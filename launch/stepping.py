@@ -1,0 +1,185 @@
+"""One optimizer step and one evaluation pass on a DeepSpeed engine, with exact accumulation.
+
+Exact gradient accumulation (DESIGN.md section 5): the cross-entropy of every micro-batch is
+divided by the number of target tokens of the WHOLE optimizer step (all micro-batches, all
+data-parallel ranks), not by its own token count. DeepSpeed averages gradients over the
+data-parallel group, so each micro-batch's loss is ``ce_sum * dp_size / step_tokens`` and the
+engine is told not to divide by the accumulation steps again. Micro-batch 1 x accumulation 4 then
+produces the same gradient as micro-batch 4 x accumulation 1.
+
+The router losses are per micro-batch means (as in Switch/Megatron: the balance statistics are
+taken over the tokens of one forward pass), averaged over micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from model.parallel import comm
+
+
+class SpikeMonitor:
+    """Flags a loss above ``factor`` x the running mean of the last ``window`` finite losses."""
+
+    def __init__(self, factor: float, window: int, state: dict | None = None):
+        self.factor, self.window = factor, window
+        self.history: list[float] = list((state or {}).get("history", []))
+
+    def is_spike(self, loss: float) -> bool:
+        # Judge only once the window has filled: early-training losses fall too fast to compare.
+        if len(self.history) < self.window:
+            return False
+        return loss > self.factor * (sum(self.history) / len(self.history))
+
+    def record(self, loss: float) -> None:
+        self.history = (self.history + [loss])[-self.window:]
+
+    def state(self) -> dict:
+        return {"history": self.history}
+
+
+class Stepper:
+    """Runs training steps and evaluation on ``engine`` and returns metric rows.
+
+    Statistics are summed over the data-parallel group (the default group while tensor, expert
+    and pipeline parallel sizes are 1).
+    """
+
+    def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, tokens_per_step: int,
+                 monitor_state: dict | None = None):
+        self.engine, self.recipe, self.ctx = engine, recipe, ctx
+        self.dp_size, self.tokens_per_step = dp_size, tokens_per_step
+        self.model = engine.module
+        self.cfg = self.model.cfg
+        self.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+        self.half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+        self.spikes = SpikeMonitor(recipe.train.spike_factor, recipe.train.spike_window, monitor_state)
+        self.tokens_seen = (monitor_state or {}).get("tokens", 0)
+        self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
+        self.num_moe_layers = self.cfg.num_moe_layers
+
+    def monitor_state(self) -> dict:
+        return {**self.spikes.state(), "tokens": self.tokens_seen}
+
+    def _stats_vector(self) -> torch.Tensor:
+        # [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, counts (L_moe x E)]
+        experts = self.cfg.moe.num_experts if self.cfg.moe else 0
+        return torch.zeros(7 + self.num_moe_layers * experts, dtype=torch.float64)
+
+    def train_step(self, step: int, batches) -> tuple[dict, dict]:
+        """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
+        t0 = time.time()
+        engine, gas = self.engine, len(batches)
+        stats = self._stats_vector()
+        for i, (input_ids, labels) in enumerate(batches):
+            out = engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
+            loss = out.ce_sum * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
+            self._accumulate(stats, out, gas)
+            if not torch.isfinite(loss.detach()):
+                stats[2] += 1
+            if i == gas - 1:
+                # Global statistics before the last backward, so that the skip decision (lr 0 for
+                # this step) is the same on every rank.
+                comm.all_reduce_sum(stats, self.ctx.dp_group)
+                step_loss = stats[0].item() / max(stats[1].item(), 1)
+                skip_reason = self._skip_reason(step_loss, stats[2].item() > 0)
+            engine.backward(loss, scale_wrt_gas=False)
+            if i == gas - 1:
+                saved_lr = self._prepare_last_step(skip_reason)
+            engine.step()
+        applied = engine.was_step_applied() and skip_reason is None
+        if saved_lr is not None and engine.lr_scheduler is None:
+            for group, lr in zip(engine.optimizer.param_groups, saved_lr):
+                group["lr"] = lr
+        if skip_reason is None:
+            self.spikes.record(step_loss)
+        return self._row(step, stats, step_loss, saved_lr, applied, skip_reason, time.time() - t0)
+
+    def _accumulate(self, stats: torch.Tensor, out, gas: int) -> None:
+        stats[0] += out.ce_sum.detach().double().item()
+        stats[1] += out.num_target_tokens.item()
+        if out.moe_aux:
+            # Means over micro-batches and ranks: divide by gas here and by dp in _row.
+            stats[3] += out.aux_loss.detach().item() / gas
+            stats[4] += out.z_loss.detach().item() / gas
+            stats[5] += sum(a.entropy.item() for a in out.moe_aux) / len(out.moe_aux) / gas
+            stats[6] += sum(a.dropped_frac.item() for a in out.moe_aux) / len(out.moe_aux) / gas
+            counts = torch.stack([a.tokens_per_expert for a in out.moe_aux]).double().flatten()
+            stats[7:] += counts.cpu()
+
+    def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
+        if nonfinite or not math.isfinite(step_loss):
+            return "non-finite loss"
+        if self.spikes.is_spike(step_loss) and self.recipe.train.spike_action != "log":
+            return f"loss spike ({step_loss:.4f})"
+        return None
+
+    def _prepare_last_step(self, skip_reason: str | None) -> list[float] | None:
+        """Before the optimizer step: record lr; on a skip, make the update a no-op.
+
+        With lr 0 AdamW changes no weight (decoupled decay is lr * wd * p); non-finite gradients
+        are also zeroed at ZeRO-0 (ZeRO 1-3 and half precision skip them natively).
+        """
+        lrs = [g["lr"] for g in self.engine.optimizer.param_groups]
+        self._lr = lrs[0]
+        if skip_reason is None:
+            self._grad_norm_local = self._local_grad_norm() if self.zero_stage == 0 and not self.half else None
+            return None
+        self._grad_norm_local = None
+        if self.zero_stage == 0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+        for g in self.engine.optimizer.param_groups:
+            g["lr"] = 0.0
+        return lrs
+
+    def _local_grad_norm(self) -> float:
+        # ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
+        # does not report their norm there, so compute it (before clipping, as it does elsewhere).
+        sq = sum(p.grad.double().pow(2).sum() for p in self.model.parameters() if p.grad is not None)
+        return float(sq) ** 0.5
+
+    def _row(self, step, stats, step_loss, saved_lr, applied, skip_reason, step_time) -> tuple[dict, dict]:
+        gn = self.engine.get_global_grad_norm()
+        if gn is None:
+            gn = self._grad_norm_local
+        gn = float(gn) if gn is not None else None
+        self.tokens_seen += int(stats[1].item())
+        row = {"step": step, "loss": step_loss, "lr": self._lr,
+               "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
+               "tokens": self.tokens_seen, "tokens_per_s": stats[1].item() / step_time,
+               "step_time_s": step_time}
+        extra = {}
+        if self.num_moe_layers:
+            dp = self.dp_size
+            row.update(aux_loss=stats[3].item() / dp, z_loss=stats[4].item() / dp,
+                       router_entropy=stats[5].item() / dp, dropped_frac=stats[6].item() / dp)
+            counts = stats[7:].view(self.num_moe_layers, -1)
+            ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
+            row["expert_load_max_over_mean"] = ratio.max().item()   # the worst MoE layer
+            for layer, (r, c) in enumerate(zip(ratio.tolist(), counts.tolist())):
+                extra[f"moe/layer{layer}/load_max_over_mean"] = r
+                extra[f"moe/layer{layer}/tokens_per_expert"] = c
+        if not applied:
+            row["skipped"] = skip_reason or "optimizer skipped the step (overflow)"
+        if skip_reason and skip_reason.startswith("loss spike") and self.recipe.train.spike_action == "stop":
+            row["stopped"] = skip_reason
+        self.ctx.add_gpu_metrics(row, self.flops_per_token)
+        return row, extra
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean next-token loss over the validation batches (summed over data-parallel ranks)."""
+        self.engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64)
+        for input_ids, labels in batches:
+            out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
+            sums[0] += out.ce_sum.double().item()
+            sums[1] += out.num_target_tokens.item()
+        self.engine.train()
+        comm.all_reduce_sum(sums, self.ctx.dp_group)
+        return sums[0].item() / max(sums[1].item(), 1)

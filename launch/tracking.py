@@ -1,0 +1,137 @@
+"""Run tracking: ``metrics.jsonl`` (always), Weights & Biases (optional), a progress line.
+
+Only global rank 0 writes. ``metrics.jsonl`` is flushed after every row so a killed run keeps
+every step it logged; on resume, rows after the checkpoint's step are dropped so the file reads
+like one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from pathlib import Path
+
+MFU_NOTE = ("MFU counts 6 x active matmul parameters per token (attention, routed experts, "
+            "router, output head; not the input embedding) + 6 x layers x hidden x seq "
+            "(causal attention), over the GPU's dense bf16 peak")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only rows with ``step <= last_step`` (rows written after the resumed checkpoint)."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue       # a line cut by a kill mid-write
+        if row.get("step", 0) <= last_step:
+            keep.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+
+
+def _wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path.home() / ".netrc"
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class Tracker:
+    """Writes metric rows to ``metrics.jsonl`` and, when enabled, to W&B.
+
+    Args:
+        run_dir: the run directory.
+        enabled: False on every rank but global rank 0.
+        tracking: the recipe's ``tracking`` section (``wandb``, ``project``, ``run_name``,
+            ``entity``, ``tags``), or None.
+        config: the resolved config, logged to W&B.
+        resume_step: the step a resumed run continues from (rows after it are dropped).
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, tracking=None, config: dict | None = None,
+                 resume_step: int | None = None, run_name: str = "run"):
+        self.enabled = enabled
+        self.wandb_run = None
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if not enabled:
+            return
+        if resume_step is not None:
+            truncate_metrics(self.path, resume_step)
+        elif self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a")
+        if tracking is not None and tracking.wandb:
+            self._init_wandb(Path(run_dir), tracking, config or {}, run_name)
+
+    def _init_wandb(self, run_dir: Path, tracking, config: dict, run_name: str) -> None:
+        import wandb
+        offline = not _wandb_has_key() or os.environ.get("WANDB_MODE") == "offline"
+        # Reusing the run id lets a resumed run append to the same W&B run.
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        self.wandb_run = wandb.init(
+            project=tracking.project, entity=tracking.entity, name=tracking.run_name or run_name,
+            tags=list(tracking.tags), config=config, dir=str(run_dir), id=run_id, resume="allow",
+            mode="offline" if offline else "online")
+        if offline:
+            print(f"W&B: no API key found, logging offline under {self.wandb_run.dir}; "
+                  f"upload later with: wandb sync {Path(self.wandb_run.dir).parent}", flush=True)
+
+    def log(self, row: dict, extra: dict | None = None) -> None:
+        """Append one row to metrics.jsonl; W&B also gets ``extra`` (e.g. per-layer stats)."""
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb_run is not None:
+            payload = {k: v for k, v in row.items() if k != "step"}
+            payload.update(extra or {})
+            self.wandb_run.log(payload, step=row["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.file.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+class Progress:
+    """A progress line every ``every`` steps: loss, lr, grad norm, tokens/s, ETA."""
+
+    def __init__(self, total_steps: int, every: int, start_step: int, enabled: bool):
+        self.total, self.every, self.enabled = total_steps, max(1, every), enabled
+        self.start_step, self.start_time = start_step, time.time()
+
+    def update(self, row: dict) -> None:
+        step = row["step"]
+        if not self.enabled or (step % self.every and step != self.total):
+            return
+        done = step - self.start_step
+        elapsed = time.time() - self.start_time
+        eta = elapsed / max(done, 1) * (self.total - step)
+        gn = row.get("grad_norm")
+        parts = [f"step {step}/{self.total}", f"loss {row['loss']:.4f}", f"lr {row['lr']:.2e}",
+                 f"grad_norm {gn:.3f}" if gn is not None and math.isfinite(gn) else "grad_norm n/a",
+                 f"{row['tokens_per_s']:,.0f} tok/s"]
+        if "aux_loss" in row:
+            parts.append(f"aux {row['aux_loss']:.3f} load {row['expert_load_max_over_mean']:.2f}")
+        if "mfu" in row:
+            parts.append(f"mfu {100 * row['mfu']:.1f}%")
+        parts.append(f"ETA {_fmt_time(eta)}")
+        print(" | ".join(parts), flush=True)
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,151 @@
+"""Train a dense, Switch or Mixtral transformer with DeepSpeed.
+
+    deepspeed [launcher args] launch/train.py --config DS_JSON [--recipe RECIPE.yaml]
+              [--run-dir DIR] [--steps N] [--set dotted.key=value ...] [--init-from DIR]
+
+Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
+``python launch/train.py ...`` (one process). Everything the run needs is validated before any
+process group is created or any file written; a bad input is one line on stderr and exit code 2.
+Running the same command again with the same run directory resumes from the newest complete
+checkpoint with the same data order and RNG streams.
+
+The loop is one straight line: recipe -> process groups -> data -> model -> deepspeed.initialize
+-> (forward, backward, step) per micro-batch -> metrics, eval, checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from launch import checkpoint, ds_config, run_setup, stepping  # noqa: E402
+from launch.recipe import Recipe, load_recipe  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="DeepSpeed JSON (ZeRO, precision, batch, optimizer, scheduler)")
+    p.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/tiny_mixtral.yaml)")
+    p.add_argument("--run-dir", default=None, help="output directory (default: runs/<recipe name>)")
+    p.add_argument("--steps", type=int, default=None, help="override train.steps (optimizer steps)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="override recipe keys, e.g. --set train.seed=1 model.moe.top_k=1")
+    p.add_argument("--init-from", default=None,
+                   help="init dir written by `convert_hf.py import` (weights + tokenizer)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+@dataclass
+class Plan:
+    """Everything validated before any process group or file exists."""
+
+    recipe: Recipe
+    ds: dict
+    run_dir: Path
+    world_size: int
+    dp_size: int
+    init_from: Path | None
+
+
+def prepare(args: argparse.Namespace) -> Plan:
+    """Validate the CLI, recipe and DeepSpeed JSON; raise ValueError with a one-line message."""
+    overrides = list(args.set)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ValueError(f"--steps: {args.steps} must be >= 1")
+        overrides.append(f"train.steps={args.steps}")
+    recipe = load_recipe(args.recipe, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dp_size = run_setup.data_parallel_size(recipe, world_size)
+    ds = ds_config.validate_ds_config(ds_config.load_ds_config(args.config), dp_size)
+    ds = run_setup.resolve_ds_config(ds, recipe)
+    run_setup.check_data_source(recipe)
+    init_from = run_setup.check_init_from(args.init_from, recipe)
+    run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
+    run_setup.check_run_dir(run_dir, recipe)
+    return Plan(recipe, ds, run_dir, world_size, dp_size, init_from)
+
+
+def train(plan: Plan) -> int:
+    recipe, tcfg = plan.recipe, plan.recipe.train
+    ctx = run_setup.init_distributed()                 # process groups (gloo on CPU, NCCL on GPU)
+    rank0 = ctx.rank == 0
+    run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
+    if rank0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer, corpus = run_setup.build_tokenizer(recipe, run_dir, plan.init_from, ctx)
+    sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
+
+    torch.manual_seed(tcfg.seed)                       # same initial weights on every rank
+    model = run_setup.build_model(recipe, plan.init_from)
+    engine = run_setup.build_engine(model, plan.ds, tcfg.steps)
+    if rank0:
+        run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
+
+    start_step, monitor_state = 0, None
+    client = checkpoint.load(engine, ckpt_dir)
+    if client is not None:                             # resume: same data order, same RNG seeds
+        start_step = client["step"]
+        sampler.load_state_dict(client["data"])
+        monitor_state = client["monitor"]
+        if rank0:
+            print(f"resumed from {ckpt_dir / checkpoint.tag_for_step(start_step)}", flush=True)
+    stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, tokens_per_step=(
+        plan.ds["train_batch_size"] * recipe.seq_len), monitor_state=monitor_state)
+    tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
+                                                 plan.ds, ctx, plan.dp_size)
+
+    for step in range(start_step + 1, tcfg.steps + 1):
+        # Per-step seeding makes every RNG stream (router jitter, ...) a function of
+        # (seed, step, rank), so a resumed run draws exactly what an uninterrupted one would.
+        torch.manual_seed(tcfg.seed * 1_000_003 + step * 7919 + ctx.rank)
+        row, extra = stepper.train_step(step, sampler.batches_for_step(step - 1))
+        sampler.step = step
+        tracker.log(row, extra)
+        progress.update(row)
+        if row.get("stopped"):
+            if rank0:
+                print(f"stopping at step {step}: {row['stopped']}", file=sys.stderr, flush=True)
+            break
+        if recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
+            eval_loss = stepper.evaluate(val_batches)
+            tracker.log({"step": step, "eval_loss": eval_loss})
+            if rank0:
+                print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
+        if step % tcfg.save_every == 0 or step == tcfg.steps:
+            client_state = {"step": step, "data": sampler.state_dict(),
+                            "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
+            checkpoint.save(engine, ckpt_dir, step, client_state, tcfg.keep_last)
+    tracker.close()
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = prepare(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return train(plan)
+    except (ValueError, FileNotFoundError) as err:   # e.g. a corrupted checkpoint found on resume
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
