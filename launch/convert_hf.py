@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             if not args.run_dir.is_dir():
                 raise FileNotFoundError(f"--run-dir {args.run_dir}: no such directory")
             from launch.checkpoint import load_run_model
-            log(f"loading {args.run_dir}")
             model, cfg, tokenizer = load_run_model(args.run_dir)
+            log(f"loaded {args.run_dir}")         # after the checks: a bad --run-dir is one line
             export_hf(model, cfg, tokenizer, args.out, DTYPES[args.dtype])
             if args.verify:
                 log(f"verify: max |logit difference| vs our fp32 model {verify_export(model, args.out):.3g} "

@@ -65,6 +65,16 @@ def _fail(field: str, value: Any, problem: str, fix: str) -> ValueError:
     return ValueError(f"ds_config.{field}: {value!r} {problem} ({fix})")
 
 
+def _object(section: dict, key: str, prefix: str = "") -> dict:
+    """`section[key]` as a dict ({} when absent or null); any other value is refused."""
+    value = section.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _fail(prefix + key, value, "must be an object", 'write {"key": value, ...}')
+    return value
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -98,8 +108,12 @@ def load_ds_config(path: str) -> dict:
     """
     if not os.path.isfile(path):
         raise ValueError(f"ds_config {path}: file not found (pass an existing JSON file, e.g. ds_configs/zero3.json)")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"ds_config {path}: not UTF-8 text ({e.reason} at byte {e.start}) "
+                         "(save the file as UTF-8)") from None
     try:
         cfg = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
@@ -132,7 +146,7 @@ def _check_zero(cfg: dict) -> int:
     if not _is_int(stage) or not 0 <= stage <= 3:
         raise _fail("zero_optimization.stage", stage, "must be 0, 1, 2 or 3", "pick a ZeRO stage")
     for key, low in (("offload_param", 3), ("offload_optimizer", 1)):
-        device = (zero.get(key) or {}).get("device", "none")
+        device = _object(zero, key, "zero_optimization.").get("device", "none")
         if device not in ("none", None) and stage < low:
             raise _fail(f"zero_optimization.{key}.device", device, f"needs ZeRO stage >= {low}, got {stage}",
                         f"set zero_optimization.stage to {low} or more, or drop {key}")
@@ -178,8 +192,8 @@ def _check_batch(cfg: dict, dp_size: int) -> dict:
 
 
 def _check_precision(cfg: dict) -> None:
-    fp16 = cfg.get("fp16") or {}
-    bf16 = cfg.get("bf16") or cfg.get("bfloat16") or {}
+    fp16 = _object(cfg, "fp16")
+    bf16 = _object(cfg, "bf16") or _object(cfg, "bfloat16")
     if fp16.get("enabled") and bf16.get("enabled"):
         raise _fail("fp16.enabled", True, "and bf16.enabled are both true", "enable only one of them")
     if not fp16.get("enabled") or fp16.get("loss_scale", 0) != 0:
@@ -199,9 +213,9 @@ def _check_precision(cfg: dict) -> None:
 
 
 def _check_optimizer(cfg: dict, stage: int) -> None:
-    section = cfg.get("optimizer")
-    if section is None:
+    if cfg.get("optimizer") is None:
         return
+    section = _object(cfg, "optimizer")
     name = section.get("type")
     if not isinstance(name, str):
         raise _fail("optimizer.type", name, "must be a name", "e.g. \"AdamW\"")
@@ -212,7 +226,7 @@ def _check_optimizer(cfg: dict, stage: int) -> None:
     if not known and not (inspect.isclass(torch_cls) and issubclass(torch_cls, torch.optim.Optimizer)):
         raise _fail("optimizer.type", name, "is not a DeepSpeed or torch.optim optimizer",
                     f"use one of {list(DEEPSPEED_OPTIMIZERS)} or a torch.optim class name")
-    params = section.get("params") or {}
+    params = _object(section, "params", "optimizer.")
     if "max_grad_norm" in params:
         raise _fail("optimizer.params.max_grad_norm", params["max_grad_norm"], "is refused by DeepSpeed",
                     "use the top-level gradient_clipping")
@@ -243,9 +257,9 @@ def _torch_scheduler_params(name: str) -> Tuple[str, ...]:
 
 
 def _check_scheduler(cfg: dict) -> None:
-    section = cfg.get("scheduler")
-    if section is None:
+    if cfg.get("scheduler") is None:
         return
+    section = _object(cfg, "scheduler")
     name = section.get("type")
     params = section.get("params") or {}
     if not isinstance(params, dict):

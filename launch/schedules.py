@@ -295,6 +295,10 @@ def _resolve_deepspeed(sched_type: str, params: dict, total_steps: int, ds_confi
             raise _err(key, value, f"cannot be \"auto\" for {sched_type}",
                        "use a number; \"auto\" works for total_num_steps, warmup_num_steps, warmup_max_lr, "
                        "cycle_first_step_size and cycle_second_step_size")
+    total, warm = out.get("total_num_steps"), out.get("warmup_num_steps")
+    if isinstance(total, int) and isinstance(warm, int) and warm > total:
+        # DeepSpeed only warns, and the run never reaches its peak lr.
+        raise _err("warmup_num_steps", warm, f"exceeds total_num_steps {total}", "shorten the warmup")
     return out
 
 
