@@ -18,33 +18,28 @@ import torch.utils.checkpoint
 
 from model.config import TransformerConfig
 from model.moe.layer import MoEAux, MoELayer
+from model.parallel import comm
+from model.parallel.groups import ParallelGroups
+from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   cross_entropy_sum, init_from_full, kv_heads_for_rank, replicated)
 
 IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm)."""
+    """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm); its weight is
+    replicated on every model-parallel rank."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, groups: ParallelGroups | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.groups = groups or ParallelGroups()
+        self.weight = replicated(nn.Parameter(torch.ones(hidden_size)), groups)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class Embedding(nn.Embedding):
-    """Token embedding that can also act as the tied output head.
-
-    ``forward(h, unembed=True)`` computes ``h @ weight.T``: reading the weight inside this
-    module's own forward is what lets ZeRO-3 gather it for the head as well.
-    """
-
-    def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
-        return F.linear(x, self.weight) if unembed else super().forward(x)
+        return comm.sync_grad(self.weight, self.groups.ep_group) * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,37 +65,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through ``F.scaled_dot_product_attention``."""
+    """Causal grouped-query attention through ``F.scaled_dot_product_attention``.
 
-    def __init__(self, cfg: TransformerConfig):
+    Tensor parallelism splits the query heads over tp, and the kv heads too (or, with fewer kv
+    heads than tp ranks, each rank keeps the one kv head its query heads use); ``o_proj`` is row
+    parallel, so the block's output is summed over tp once.
+    """
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        g = groups or ParallelGroups()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.head_dim = cfg.num_heads // g.tp, hd       # local query heads
+        kv_heads, self.kv_select = kv_heads_for_rank(cfg.num_kv_heads, g)
+        kv_rows = [h * hd + i for h in kv_heads for i in range(hd)]
+        self.num_kv_heads = len(kv_heads)                              # kv heads held here
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, g)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, g)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)     # (B, nh, S, hd)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        if self.kv_select is not None:    # fewer kv heads than tp ranks: use ours
+            k = k[:, self.kv_select:self.kv_select + 1]
+            v = v[:, self.kv_select:self.kv_select + 1]
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
+                                           enable_gqa=k.shape[1] != self.num_heads)
         y = y.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)               # (B, S, nh*hd)
         return self.o_proj(y)
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; gate/up column parallel, down row
+    parallel over tp."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, groups: ParallelGroups | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
+        self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -109,16 +117,16 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block; its FFN is an MLP or an MoE layer."""
 
-    def __init__(self, cfg: TransformerConfig, layer_idx: int):
+    def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups | None = None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
+        self.self_attn = Attention(cfg, groups)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn_hidden_size)
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn_hidden_size, groups)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.ffn_hidden_size)
+            self.mlp = MLP(cfg.hidden_size, cfg.ffn_hidden_size, groups)
 
         # Selective activation checkpointing: recompute one sub-layer in backward.
         self.checkpoint_attention = False
@@ -166,18 +174,24 @@ class Transformer(nn.Module):
 
     Args:
         cfg: a validated ``DenseConfig``, ``SwitchConfig`` or ``MixtralConfig``.
+        groups: process groups for tensor/expert parallelism (None: single process). Under
+            expert parallelism each ep rank takes its slice of the micro-batch; under tensor
+            parallelism ``logits`` is this rank's vocabulary shard.
+        init_seed: seed of the weight init; the full weights are the same at any layout.
     """
 
-    def __init__(self, cfg: TransformerConfig):
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None,
+                 init_seed: int = 0):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.groups = groups or ParallelGroups()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
+        self.layers = nn.ModuleList(Block(cfg, i, groups) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
+        self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
-        self.reset_parameters()
+        self.reset_parameters(init_seed)
 
     def set_activation_checkpointing(self, policy: str) -> None:
         """Choose what backward recomputes instead of storing.
@@ -199,23 +213,34 @@ class Transformer(nn.Module):
             layer.checkpoint_ffn = policy == "moe" and layer.is_moe
 
     @torch.no_grad()
-    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+    def reset_parameters(self, seed: int = 0) -> None:
         """Normal(0, init_std) for every matrix; residual-output projections scaled by
         1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
-        with depth; norms at one."""
+        with depth; norms at one. Each full tensor is drawn from (seed, name) and this rank keeps
+        its shard, so every layout starts from the same model."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                p.normal_(0.0, out_std, generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+
+        def std_for(name: str) -> float | None:
+            if name.endswith("norm.weight"):
+                return None
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                return out_std
+            return std
+        init_from_full(self, std_for, seed)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),
         ``-100`` where no target."""
+        ep = self.groups.ep
+        if ep > 1:   # expert parallelism: each ep rank runs its slice of the micro-batch
+            if input_ids.shape[0] % ep:
+                raise ValueError(f"micro-batch size ({input_ids.shape[0]}) is not divisible by "
+                                 f"parallel.expert_parallel_size ({ep})")
+            part = input_ids.shape[0] // ep
+            rows = slice(self.groups.ep_rank * part, (self.groups.ep_rank + 1) * part)
+            input_ids = input_ids[rows]
+            labels = labels[rows] if labels is not None else None
         x = self.embed_tokens(input_ids)                                   # (B, S, H)
         rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
         moe_aux = []
@@ -230,11 +255,14 @@ class Transformer(nn.Module):
         logits = self.embed_tokens(x, unembed=True) if self.lm_head is None else self.lm_head(x)  # (B, S, V)
         out = TransformerOutput(logits=logits, moe_aux=moe_aux)
         if moe_aux:
+            # Per-rank contributions: under expert parallelism they sum over the ep group to the
+            # micro-batch's values (see MoEAux).
             out.aux_loss = torch.stack([a.aux_loss for a in moe_aux]).mean()
             out.z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         if labels is not None:
-            out.ce_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                         ignore_index=IGNORE_INDEX, reduction="sum")
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            vocab_start = head.start if self.lm_head is None else head.weight.shard_spec[0][1][0]
+            out.ce_sum = cross_entropy_sum(logits, labels, self.groups, vocab_start, IGNORE_INDEX)
             out.num_target_tokens = (labels != IGNORE_INDEX).sum()
         return out
 

@@ -13,6 +13,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.parallel import comm
+from model.parallel.groups import ParallelGroups, local_experts
+from model.parallel.layers import even_slice, shard_param
+
 # (device type, dtype) pairs where the grouped kernel has been seen to fail; filled lazily so that
 # the fallback costs one failed call per process, not one per step.
 _UNSUPPORTED: set[tuple[str, torch.dtype]] = set()
@@ -52,21 +56,39 @@ class GroupedExperts(nn.Module):
     ``down_proj`` is (E, I, H). (transformers' Mixtral stores the transposes, fused gate+up; the
     converter transposes and splits.)
 
+    Under expert parallelism this rank holds only its experts (``local_experts``), under tensor
+    parallelism a 1/tp slice of each expert's inner dimension: the input is replicated over tp and
+    the partial outputs are summed there, as in a column- then row-parallel MLP.
+
     Args:
-        num_experts: experts held by this module (all of them, or this rank's share under EP).
+        num_experts: E, all experts of the layer.
         hidden_size: H.
-        ffn_hidden_size: I, the inner size of each expert (this rank's slice under TP).
+        ffn_hidden_size: I, the full inner size of each expert.
+        groups: process groups (None: single process).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, groups=None):
         super().__init__()
-        self.num_experts = num_experts
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        g = self.groups = groups or ParallelGroups()
+        self.expert_ids = local_experts(num_experts, g)
+        if ffn_hidden_size % g.tp:
+            raise ValueError(f"model.ffn_hidden_size ({ffn_hidden_size}) is not divisible by "
+                             f"parallel.tensor_parallel_size ({g.tp})")
+        self.num_experts = len(self.expert_ids)
+        inner = even_slice(ffn_hidden_size, g.tp, g.tp_rank)
+        sharded = tuple(a for a, n in (("tp", g.tp), ("ep", g.ep)) if n > 1)
+        E, H, I = num_experts, hidden_size, ffn_hidden_size
+        for name, full, dim in (("gate_proj", (E, H, I), 2), ("up_proj", (E, H, I), 2),
+                                ("down_proj", (E, I, H), 1)):
+            shape = list(full)
+            shape[0], shape[dim] = self.num_experts, len(inner)
+            p = nn.Parameter(torch.empty(shape))
+            setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)], sharded))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """(N, H) rows grouped by expert -> (N, H)."""
-        gate = grouped_mm(x, self.gate_proj, tokens_per_expert)     # (N, I)
-        up = grouped_mm(x, self.up_proj, tokens_per_expert)         # (N, I)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)  # (N, H)
+        """(N, H) rows grouped by local expert -> (N, H)."""
+        x = comm.copy_to_region(x, self.groups.tp_group)
+        gate = grouped_mm(x, self.gate_proj, tokens_per_expert)     # (N, I/tp)
+        up = grouped_mm(x, self.up_proj, tokens_per_expert)         # (N, I/tp)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)   # (N, H) partial
+        return comm.reduce_from_region(y, self.groups.tp_group)

@@ -1,7 +1,9 @@
-"""The MoE feed-forward layer: route -> permute -> grouped experts -> unpermute.
+"""The MoE feed-forward layer: route -> permute -> (exchange) -> grouped experts -> (exchange back)
+-> unpermute.
 
 Every step of the routing decision is visible in ``forward``; the pieces live in ``router.py``,
-``dispatcher.py``, ``experts.py`` and ``losses.py``.
+``dispatcher.py``, ``experts.py`` and ``losses.py``. Under expert parallelism the exchange is the
+MegaBlocks/Megatron one, narrated in ``_exchange``.
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ from model.config import MoEConfig
 from model.moe import dispatcher, losses
 from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter
+from model.parallel import comm
+from model.parallel.groups import ParallelGroups, local_experts
 
 
 @dataclass
 class MoEAux:
-    """Auxiliary outputs of one MoE layer (losses unweighted; the model applies coefficients)."""
+    """Auxiliary outputs of one MoE layer (losses unweighted; the model applies coefficients).
 
-    aux_loss: torch.Tensor            # scalar, 1.0 at perfect balance
+    Every field is this rank's contribution: under expert parallelism, where each ep rank routes
+    its own slice of the micro-batch, summing a field over the ep group gives the value over the
+    whole micro-batch (with one rank it is that value). The load-balancing loss uses the routed
+    counts of the whole micro-batch (all-reduced, no gradient) with this rank's probabilities,
+    so its gradient is exactly that of the micro-batch's loss.
+    """
+
+    aux_loss: torch.Tensor            # scalar, 1.0 at perfect balance (summed over ep)
     z_loss: torch.Tensor              # scalar
-    tokens_per_expert: torch.Tensor   # (E,) routed assignments before capacity
+    tokens_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
     dropped_frac: torch.Tensor        # scalar, dropped assignments / (k*T)
     entropy: torch.Tensor             # scalar, mean router entropy in nats
 
@@ -40,30 +51,76 @@ class MoELayer(nn.Module):
         moe: routing settings (experts, top-k, capacity, jitter, renormalization).
         hidden_size: H.
         ffn_hidden_size: I, inner size of each expert.
+        groups: process groups; experts are split over ep and their inner size over tp.
     """
 
-    def __init__(self, moe: MoEConfig, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, moe: MoEConfig, hidden_size: int, ffn_hidden_size: int, groups=None):
         super().__init__()
         self.moe = moe
+        self.groups = groups or ParallelGroups()
         self.gate = TopKRouter(hidden_size, moe.num_experts, moe.top_k, moe.normalize_top_k,
-                               moe.router_jitter)
-        self.experts = GroupedExperts(moe.num_experts, hidden_size, ffn_hidden_size)
+                               moe.router_jitter, groups)
+        self.experts = GroupedExperts(moe.num_experts, hidden_size, ffn_hidden_size, groups)
+        # Experts in rank order: rank 0's local experts, then rank 1's, ... Sorting the rows by
+        # this order makes each destination rank's rows one contiguous block.
+        ep = self.groups.ep
+        order = [e for r in range(ep) for e in local_experts(moe.num_experts, _at_rank(self.groups, r))]
+        position = torch.empty(moe.num_experts, dtype=torch.long)
+        position[torch.tensor(order)] = torch.arange(moe.num_experts)
+        self.register_buffer("expert_position", position, persistent=False)
+        self.register_buffer("expert_order", torch.tensor(order), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """(B, S, H) -> (B, S, H) and the layer's auxiliary outputs."""
-        shape = x.shape
+        shape, moe, ep = x.shape, self.moe, self.groups.ep
         x = x.reshape(-1, shape[-1])                                        # (T, H)
         num_tokens = x.shape[0]
+        total_tokens = num_tokens * ep                                      # the micro-batch's T
         routing = Routing(*self.gate(x))
-        capacity = self.moe.capacity(num_tokens, self.training)
-        plan = dispatcher.plan_dispatch(routing.expert_idx, self.moe.num_experts, capacity)
-        y = self.experts(dispatcher.permute(x, plan), plan.tokens_per_expert)   # (N, H)
-        out = dispatcher.unpermute(y, routing.weights, plan, num_tokens)        # (T, H)
+        capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
+        # Plan in rank order of experts (the identity without expert parallelism).
+        plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
+        rows = dispatcher.permute(x, plan)                                  # (N, H) by expert position
+        if ep > 1:
+            y = self._exchange(rows, plan.tokens_per_expert)
+        else:
+            y = self.experts(rows, plan.tokens_per_expert)                  # (N, H)
+        out = dispatcher.unpermute(y, routing.weights, plan, num_tokens)    # (T, H)
+
+        routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id
+        routed_all = comm.all_reduce_sum(routed.clone(), self.groups.ep_group)
         aux = MoEAux(
-            aux_loss=losses.load_balancing_loss(routing.probs, plan.routed_per_expert,
-                                                self.moe.top_k),
-            z_loss=losses.router_z_loss(routing.logits),
-            tokens_per_expert=plan.routed_per_expert.detach(),
-            dropped_frac=(plan.num_dropped.float() / (self.moe.top_k * num_tokens)).detach(),
-            entropy=losses.router_entropy(routing.probs).detach())
+            aux_loss=losses.load_balancing_loss(routing.probs, routed_all, moe.top_k, total_tokens),
+            z_loss=losses.router_z_loss(routing.logits, total_tokens),
+            tokens_per_expert=routed.detach(),
+            dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
+            entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach())
         return out.reshape(shape), aux
+
+    def _exchange(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """Send each row to the rank holding its expert, run the local experts, send back.
+
+        1. ``per_expert`` (E,) counts this rank's rows per expert, in rank order; viewed as
+           (ep, E_local), row j is what goes to rank j.
+        2. Exchange the counts (all-to-all), so each rank knows how many rows it receives from
+           each source for each of its experts, then the rows themselves (uneven splits).
+        3. Received rows are grouped by (source, local expert); a stable sort by local expert
+           makes each expert's rows contiguous for the grouped GEMM (local, no communication).
+        4. Undo the sort and the exchange for the outputs.
+        """
+        g, e_local = self.groups, self.experts.num_experts
+        send = per_expert.view(g.ep, e_local)                               # (ep, E_local)
+        recv = comm.all_to_all_counts(send, g.ep_group)                     # (ep, E_local)
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = comm.all_to_all(rows, out_splits, in_splits, g.ep_group)   # (N_recv, H)
+        local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
+        row_expert = torch.repeat_interleave(local_id, recv.flatten())      # (N_recv,)
+        order = torch.argsort(row_expert, stable=True)
+        y = self.experts(received.index_select(0, order), recv.sum(0))      # (N_recv, H)
+        y = y.index_select(0, torch.argsort(order))                         # back to source order
+        return comm.all_to_all(y, in_splits, out_splits, g.ep_group)        # (N, H)
+
+
+def _at_rank(groups: ParallelGroups, ep_rank: int) -> ParallelGroups:
+    """The same layout seen from another ep rank (for the expert placement table)."""
+    return ParallelGroups(ep=groups.ep, ep_rank=ep_rank, expert_placement=groups.expert_placement)

@@ -10,7 +10,7 @@ import torch
 
 
 def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
-                        top_k: int) -> torch.Tensor:
+                        top_k: int, total_tokens: int | None = None) -> torch.Tensor:
     """Switch/Megatron load-balancing loss, 1.0 at perfect balance.
 
     ``aux = E / (k*T) * sum_i count_i * mean_prob_i``, where ``count_i`` counts the (token, slot)
@@ -22,16 +22,21 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
         probs: (T, E) fp32 router probabilities.
         tokens_per_expert: (E,) routed assignments per expert (sums to k*T).
         top_k: k.
+        total_tokens: when ``probs`` holds one rank's share of a larger batch (expert
+            parallelism), the batch's token count; ``tokens_per_expert`` must then be the
+            batch's counts. The result is this rank's additive share of the batch's loss.
     """
     num_tokens, num_experts = probs.shape
-    mean_prob = probs.mean(dim=0)                                               # (E,)
+    total = total_tokens or num_tokens
+    mean_prob = probs.sum(dim=0) / total                                        # (E,)
     counts = tokens_per_expert.to(probs.dtype)
-    return num_experts / (top_k * num_tokens) * torch.sum(counts * mean_prob)
+    return num_experts / (top_k * total) * torch.sum(counts * mean_prob)
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss: ``mean over tokens of logsumexp(logits)^2`` (fp32)."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def router_z_loss(logits: torch.Tensor, total_tokens: int | None = None) -> torch.Tensor:
+    """ST-MoE router z-loss: ``mean over tokens of logsumexp(logits)^2`` (fp32); with
+    ``total_tokens``, this rank's additive share of the batch's mean."""
+    return torch.logsumexp(logits.float(), dim=-1).square().sum() / (total_tokens or logits.shape[0])
 
 
 def router_entropy(probs: torch.Tensor) -> torch.Tensor:

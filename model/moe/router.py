@@ -17,6 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.parallel import comm
+from model.parallel.groups import ParallelGroups
+from model.parallel.layers import replicated
+
 
 @dataclass
 class Routing:
@@ -75,12 +79,14 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool,
-                 jitter: float = 0.0):
+                 jitter: float = 0.0, groups=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.groups = groups or ParallelGroups()
+        self.weight = replicated(nn.Parameter(torch.empty(num_experts, hidden_size)), groups)
         self.top_k, self.normalize, self.jitter = top_k, normalize, jitter
 
     def forward(self, x: torch.Tensor):
         """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32)."""
-        r = route(x, self.weight, self.top_k, self.normalize, self.jitter, self.training)
+        weight = comm.sync_grad(self.weight, self.groups.ep_group)   # replicated over ep
+        r = route(x, weight, self.top_k, self.normalize, self.jitter, self.training)
         return r.logits, r.probs, r.expert_idx, r.weights

@@ -1,7 +1,8 @@
 """Plain collectives used outside the model (trainer statistics, barriers).
 
 Every ``torch.distributed`` call of the repo lives in ``model/parallel/``; process groups are passed
-explicitly (None = the default group). With one process each function is the identity.
+explicitly, and ``None`` means a group of one rank: no communication (``ParallelGroups`` holds
+``None`` for every size-1 group). ``barrier`` and ``broadcast_object`` span the whole job.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import torch.distributed as dist
 
 
 def _active(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    return group is not None and dist.is_available() and dist.is_initialized()
+
+
+def _world() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
@@ -28,16 +33,120 @@ def all_reduce_max(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def barrier(group=None) -> None:
-    """Wait for every rank of ``group``."""
-    if _active(group):
-        dist.barrier(group=group)
+def barrier() -> None:
+    """Wait for every rank of the job."""
+    if _world():
+        dist.barrier()
 
 
-def broadcast_object(obj, src: int = 0, group=None):
-    """Return rank ``src``'s ``obj`` on every rank of ``group``."""
-    if not _active(group):
+def broadcast_object(obj, src: int = 0):
+    """Return global rank ``src``'s ``obj`` on every rank of the job."""
+    if not _world():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_to_all_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """Exchange one row of counts per destination: row j of the input goes to rank j of
+    ``group``; row i of the output came from rank i. (ep, ...) -> (ep, ...)."""
+    if not _active(group):
+        return counts
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Autograd communication pairs (Megatron's conjugate functions). Each is the identity when the
+# group has one rank, so single-process code pays nothing.
+
+class _CopyToRegion(torch.autograd.Function):
+    """Forward: identity. Backward: sum the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Forward: sum over the group. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Forward: concatenate the ranks' shards along the last dim. Backward: keep our shard."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: send ``in_splits[j]`` rows to rank j, receive ``out_splits[i]`` rows from rank i.
+    Backward: the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Identity forward, gradient summed over ``group`` backward (e.g. a column-parallel input)."""
+    return _CopyToRegion.apply(x, group) if _active(group) else x
+
+
+def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum over ``group`` forward, identity backward (e.g. a row-parallel output)."""
+    return _ReduceFromRegion.apply(x, group) if _active(group) else x
+
+
+def gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather shards along the last dim forward; slice our shard backward."""
+    return _GatherLastDim.apply(x, group) if _active(group) else x
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` with uneven splits (rows of ``x``)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group) if _active(group) else x
+
+
+def sync_grad(param: torch.Tensor, group=None) -> torch.Tensor:
+    """Use a parameter that is replicated over ``group`` while its ranks see different tokens:
+    the identity forward, and its gradient summed over ``group`` backward, so every replica
+    gets the full gradient (and the replicas stay identical after the optimizer step)."""
+    return copy_to_region(param, group)

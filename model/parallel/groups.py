@@ -1,0 +1,174 @@
+"""The process groups of one job, built once and passed explicitly (no module globals).
+
+Rank layout, fastest-varying first (tensor-parallel peers are neighbours, so they share a node's
+NVLink; pipeline stages are farthest apart, so only point-to-point traffic crosses nodes)::
+
+    rank = ((pp_rank * dp + dp_rank) * ep + ep_rank) * tp + tp_rank
+
+Groups (each a set of ranks that differ only in the named coordinates):
+
+    tp     tensor-parallel peers: shard attention heads, MLP and expert inner dims
+    ep     expert-parallel peers: split each micro-batch between them and shard the experts
+    mp     tp x ep, the "model-parallel" group DeepSpeed sees through ``mpu``
+    dp     data-parallel peers: different data, same shards; ZeRO shards and reduces over it
+    batch  ep x dp: every rank that sees different tokens (for loss and statistics sums)
+    pp     pipeline stages
+
+Expert parallelism is folded into DeepSpeed's model-parallel group (DESIGN.md section 6,
+option 2 generalized): experts are sharded across ``ep`` like tensor-parallel shards, every other
+parameter is replicated across ``ep`` with its gradient summed there by ``sync_grad``, and ZeRO
+reduces/shards everything over ``dp`` only. This works at every ZeRO stage with stacked expert
+weights. See README "Parallel layouts".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+def _check(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"parallel.{name} ({value!r}) must be a positive integer")
+
+
+def validate_layout(world_size: int, tp: int, ep: int, pp: int) -> int:
+    """Check the degrees against the world size; return the data-parallel size."""
+    for name, v in (("tensor_parallel_size", tp), ("expert_parallel_size", ep),
+                    ("pipeline_parallel_size", pp)):
+        _check(name, v)
+    model = tp * ep * pp
+    if world_size % model:
+        raise ValueError(
+            f"world size ({world_size}) is not divisible by tensor_parallel_size x "
+            f"expert_parallel_size x pipeline_parallel_size ({tp} x {ep} x {pp} = {model}): "
+            f"launch a multiple of {model} processes or change the parallel sizes")
+    return world_size // model
+
+
+@dataclass
+class ParallelGroups:
+    """Coordinates and groups of this rank. ``None`` groups mean size 1 (no communication).
+
+    It also serves as DeepSpeed's ``mpu`` (the ``get_*`` methods), where "model parallel" means
+    tp x ep and "data parallel" means dp.
+    """
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    ep_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    tp_group: object = None
+    ep_group: object = None
+    mp_group: object = None
+    dp_group: object = None
+    batch_group: object = None
+    pp_group: object = None
+    expert_placement: str = "contiguous"
+    _ranks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mp_rank(self) -> int:
+        return self.ep_rank * self.tp + self.tp_rank
+
+    # -- DeepSpeed mpu interface ------------------------------------------------------------
+    def get_model_parallel_rank(self) -> int:
+        return self.mp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.tp * self.ep
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    # DeepSpeed counts a gradient in the global norm when the parameter is marked
+    # ``tensor_model_parallel`` or this "tensor" rank is 0, then sums over the model-parallel
+    # group; reporting the mp coordinates here makes that count every shard exactly once.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self._ranks.get("dp", [0])
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp_rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp
+
+
+def build_groups(tp: int = 1, ep: int = 1, pp: int = 1,
+                 expert_placement: str = "contiguous") -> ParallelGroups:
+    """Create every group on every rank (``new_group`` is collective) and keep this rank's.
+
+    Communicates over the default group. With one process, returns all-``None`` groups.
+    """
+    if expert_placement not in ("contiguous", "round_robin"):
+        raise ValueError(f"parallel.expert_placement ({expert_placement!r}) must be "
+                         f"contiguous or round_robin")
+    if not (dist.is_available() and dist.is_initialized()):
+        validate_layout(1, tp, ep, pp)
+        return ParallelGroups(expert_placement=expert_placement)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = validate_layout(world, tp, ep, pp)
+
+    def coords(r: int) -> dict:
+        return {"tp": r % tp, "ep": r // tp % ep, "dp": r // (tp * ep) % dp,
+                "pp": r // (tp * ep * dp)}
+
+    mine = coords(rank)
+    varying = {"tp": ("tp",), "ep": ("ep",), "mp": ("tp", "ep"), "dp": ("dp",),
+               "batch": ("ep", "dp"), "pp": ("pp",)}
+    out = ParallelGroups(tp=tp, ep=ep, dp=dp, pp=pp, tp_rank=mine["tp"], ep_rank=mine["ep"],
+                         dp_rank=mine["dp"], pp_rank=mine["pp"],
+                         expert_placement=expert_placement)
+    for name, free in varying.items():
+        size = 1
+        for axis in free:
+            size *= {"tp": tp, "ep": ep, "dp": dp, "pp": pp}[axis]
+        # Partition all ranks by their fixed coordinates; every rank creates every group in the
+        # same order, as new_group requires.
+        buckets: dict[tuple, list[int]] = {}
+        for r in range(world):
+            c = coords(r)
+            key = tuple(c[a] for a in ("tp", "ep", "dp", "pp") if a not in free)
+            buckets.setdefault(key, []).append(r)
+        for ranks in buckets.values():
+            group = dist.new_group(ranks) if size > 1 else None
+            if rank in ranks:
+                out._ranks[name] = ranks
+                setattr(out, f"{name}_group", group)
+    return out
+
+
+def local_experts(num_experts: int, groups: ParallelGroups | None) -> list[int]:
+    """Global ids of the experts this rank holds, in local order.
+
+    ``contiguous``: rank r holds experts [r*E/ep, (r+1)*E/ep) (neighbouring experts together);
+    ``round_robin``: rank r holds r, r+ep, r+2*ep, ... (spreads experts that a router tends to
+    pick together, e.g. after upcycling, over ranks).
+    """
+    if groups is None or groups.ep == 1:
+        return list(range(num_experts))
+    if num_experts % groups.ep:
+        raise ValueError(f"model.moe.num_experts ({num_experts}) is not divisible by "
+                         f"parallel.expert_parallel_size ({groups.ep})")
+    per = num_experts // groups.ep
+    if groups.expert_placement == "round_robin":
+        return list(range(groups.ep_rank, num_experts, groups.ep))
+    return list(range(groups.ep_rank * per, (groups.ep_rank + 1) * per))

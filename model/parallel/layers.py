@@ -1,0 +1,249 @@
+"""Megatron-style tensor-parallel layers and the bookkeeping every sharded parameter carries.
+
+Each parameter records how it was cut from its full tensor (``shard_spec``), so that
+``init_from_full`` gives the same full weights at any layout (the full tensor is drawn from one
+seed and this rank keeps its slice), and so that checkpoints and tests can reassemble it.
+
+Gradient-norm contract with DeepSpeed: a parameter is marked ``tensor_model_parallel`` exactly on
+the ranks that are its canonical holder (rank 0 of every model-parallel axis it is replicated
+over). DeepSpeed counts marked parameters on every rank plus unmarked ones on model-parallel rank
+0 and sums over the model-parallel group, so every distinct shard enters the norm exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.parallel import comm
+from model.parallel.groups import ParallelGroups
+
+
+def shard_param(param: nn.Parameter, groups: ParallelGroups | None, full_shape: tuple,
+                spec: list[tuple[int, list[int]]], sharded_over: tuple[str, ...]) -> nn.Parameter:
+    """Attach the sharding metadata to ``param``.
+
+    Args:
+        param: the local shard.
+        groups: the job's groups (None: single process).
+        full_shape: shape of the unsharded tensor.
+        spec: (dim, indices) pairs: this rank's shard is ``full`` indexed by ``indices`` along
+            ``dim``, applied in order.
+        sharded_over: model-parallel axes ("tp", "ep") across which the shards differ.
+    """
+    param.full_shape = tuple(full_shape)
+    param.shard_spec = spec
+    replicated = [a for a in ("tp", "ep") if a not in sharded_over]
+    g = groups or ParallelGroups()
+    param.tensor_model_parallel = all(getattr(g, f"{a}_rank") == 0 for a in replicated)
+    return param
+
+
+def take_shard(full: torch.Tensor, spec) -> torch.Tensor:
+    """This rank's shard of ``full`` (see ``shard_param``)."""
+    for dim, idx in spec:
+        full = full.index_select(dim, torch.as_tensor(idx, device=full.device))
+    return full.contiguous()
+
+
+def even_slice(size: int, parts: int, index: int) -> list[int]:
+    per = size // parts
+    return list(range(index * per, (index + 1) * per))
+
+
+def replicated(param: nn.Parameter, groups: ParallelGroups | None) -> nn.Parameter:
+    """Mark a parameter that every model-parallel rank holds whole."""
+    return shard_param(param, groups, tuple(param.shape), [], ())
+
+
+def _sizes(groups):
+    g = groups or ParallelGroups()
+    return g, g.tp, g.tp_rank
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T`` with W's output rows split over the tp group (no bias).
+
+    The input is replicated over tp (its gradient is summed there); the output stays sharded
+    along its last dim. Weights replicated over ep get their gradient summed over ep.
+
+    Args:
+        in_features, out_features: full sizes.
+        groups: process groups (None: single process).
+        out_index: optional explicit output rows this rank holds (e.g. replicated KV heads).
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups=None, out_index=None):
+        super().__init__()
+        g, tp, rank = _sizes(groups)
+        self.groups = g
+        # Replicated over tp (every rank holds all rows) yet used partially per rank: the
+        # gradient must then be summed over tp.
+        self.replicated_over_tp = out_index is not None and len(out_index) == out_features and tp > 1
+        if out_index is None:
+            if out_features % tp:
+                raise ValueError(f"output size {out_features} is not divisible by "
+                                 f"parallel.tensor_parallel_size ({tp})")
+            out_index = even_slice(out_features, tp, rank)
+        self.weight = nn.Parameter(torch.empty(len(out_index), in_features))
+        sharded = ("tp",) if len(out_index) < out_features else ()
+        shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to_region(x, self.groups.tp_group)
+        weight = comm.sync_grad(self.weight, self.groups.ep_group)
+        if self.replicated_over_tp:
+            weight = comm.sync_grad(weight, self.groups.tp_group)
+        return F.linear(x, weight)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T`` with W's input columns split over tp; partial outputs summed over tp."""
+
+    def __init__(self, in_features: int, out_features: int, groups=None):
+        super().__init__()
+        g, tp, rank = _sizes(groups)
+        self.groups = g
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} is not divisible by "
+                             f"parallel.tensor_parallel_size ({tp})")
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
+        shard_param(self.weight, g, (out_features, in_features),
+                    [(1, even_slice(in_features, tp, rank))], ("tp",) if tp > 1 else ())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, comm.sync_grad(self.weight, self.groups.ep_group))
+        return comm.reduce_from_region(y, self.groups.tp_group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split over tp; also the tied output head.
+
+    ``forward(ids)``: each rank looks up the ids in its range, zeros the rest, and the partial
+    embeddings are summed over tp. ``forward(h, unembed=True)``: this rank's slice of the logits,
+    (..., V/tp), for ``vocab_parallel_cross_entropy``.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, groups=None):
+        super().__init__()
+        g, tp, rank = _sizes(groups)
+        self.groups = g
+        if vocab_size % tp:
+            raise ValueError(f"model.vocab_size ({vocab_size}) is not divisible by "
+                             f"parallel.tensor_parallel_size ({tp}): pad the vocabulary")
+        self.start, self.end = rank * vocab_size // tp, (rank + 1) * vocab_size // tp
+        self.weight = nn.Parameter(torch.empty(vocab_size // tp, hidden_size))
+        shard_param(self.weight, g, (vocab_size, hidden_size),
+                    [(0, list(range(self.start, self.end)))], ("tp",) if tp > 1 else ())
+
+    def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
+        weight = comm.sync_grad(self.weight, self.groups.ep_group)
+        if unembed:
+            return F.linear(comm.copy_to_region(x, self.groups.tp_group), weight)
+        if self.groups.tp == 1:
+            return F.embedding(x, weight)
+        outside = (x < self.start) | (x >= self.end)
+        local = torch.where(outside, torch.zeros_like(x), x - self.start)
+        emb = F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
+        return comm.reduce_from_region(emb, self.groups.tp_group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits whose vocabulary is split over ``group`` (Megatron's
+    algorithm): global max and sum of exponentials by all-reduce, the target logit from the
+    rank that holds it. Returns per-token losses; the backward is local (softmax - one-hot)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        logits = logits.float()
+        gmax = logits.max(dim=-1).values
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - gmax.unsqueeze(-1)
+        vocab = logits.shape[-1]
+        local_t = target - start
+        inside = (local_t >= 0) & (local_t < vocab)
+        local_t = torch.where(inside, local_t, torch.zeros_like(local_t))
+        tgt = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) * inside
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        both = torch.stack([tgt, sum_exp])
+        dist.all_reduce(both, group=group)
+        tgt, sum_exp = both[0], both[1]
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), local_t, inside)
+        return torch.log(sum_exp) - tgt
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_t, inside = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -inside.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, groups=None,
+                      vocab_start: int = 0, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of next-token cross-entropy over target tokens; ``logits`` may be a tp vocab shard."""
+    g = groups or ParallelGroups()
+    flat_logits, flat_labels = logits.flatten(0, -2), labels.flatten()
+    if g.tp == 1:
+        return F.cross_entropy(flat_logits.float(), flat_labels, ignore_index=ignore_index,
+                               reduction="sum")
+    valid = flat_labels != ignore_index
+    target = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
+    losses = _VocabParallelCE.apply(flat_logits, target, vocab_start, g.tp_group)
+    return (losses * valid).sum()
+
+
+def init_from_full(module: nn.Module, std_for, seed: int) -> None:
+    """Initialize every parameter of ``module`` from its full tensor, drawn with a generator
+    seeded by (seed, parameter name), then keep this rank's shard: the same full weights at any
+    tensor/expert-parallel layout.
+
+    Args:
+        std_for: name -> std (None for ones, as for norm weights).
+    """
+    import zlib
+    for name, p in module.named_parameters():
+        full_shape = getattr(p, "full_shape", tuple(p.shape))
+        std = std_for(name)
+        if std is None:
+            full = torch.ones(full_shape)
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        with torch.no_grad():
+            p.copy_(take_shard(full, getattr(p, "shard_spec", [])).to(p.dtype))
+
+
+def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]:
+    """The kv heads this tp rank holds, and which of them its query heads use.
+
+    With at least as many kv heads as tp ranks, each rank holds its share (``None``: uses all
+    it holds). With fewer, every rank holds all kv heads (replicated; their gradients are summed
+    over tp, each rank contributing through its query heads) and uses the one its query heads
+    attend with.
+    """
+    g, tp, rank = _sizes(groups)
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"model.num_kv_heads ({num_kv_heads}) is not divisible by "
+                             f"parallel.tensor_parallel_size ({tp})")
+        return even_slice(num_kv_heads, tp, rank), None
+    if tp % num_kv_heads:
+        raise ValueError(f"parallel.tensor_parallel_size ({tp}) is not divisible by "
+                         f"model.num_kv_heads ({num_kv_heads})")
+    return list(range(num_kv_heads)), rank * num_kv_heads // tp
+
+
+def local_size(total: int, groups) -> int:
+    g = groups or ParallelGroups()
+    return total // g.tp
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "cross_entropy_sum", "init_from_full", "kv_heads_for_rank", "replicated", "shard_param",
+           "take_shard", "local_size", "even_slice", "math"]
