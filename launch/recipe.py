@@ -48,6 +48,8 @@ class ParallelConfig:
     """Pipeline stages (DeepSpeed PipelineModule, 1F1B); DeepSpeed allows only ZeRO-0/1 with it."""
     sequence_parallel: bool = False
     """Split norms/dropout activations along the sequence over the TP group (Megatron SP)."""
+    expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
+    """Which experts an EP rank holds: a contiguous block, or every ep-th expert."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "expert_parallel_size", "pipeline_parallel_size"):

@@ -21,6 +21,7 @@ from launch.tokenization import load_tokenizer
 from launch.tracking import MFU_NOTE, Progress, Tracker
 from model import Transformer
 from model.parallel import comm
+from model.parallel.groups import ParallelGroups, build_groups, validate_layout
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".cache"
@@ -31,11 +32,31 @@ CACHE_DIR = REPO / ".cache"
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     par = recipe.parallel
-    if (par.tensor_parallel_size, par.expert_parallel_size, par.pipeline_parallel_size) != (1, 1, 1):
+    if par.pipeline_parallel_size > 1:
+        raise ValueError("parallel.pipeline_parallel_size > 1 is not wired into train.py yet "
+                         "(set it to 1; tensor, expert and data parallelism work)")
+    if par.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel is not implemented yet (set it to false)")
+    return validate_layout(world_size, par.tensor_parallel_size, par.expert_parallel_size,
+                           par.pipeline_parallel_size)
+
+
+def check_layout(recipe: Recipe, ds: dict) -> None:
+    """Refuse layout/DeepSpeed combinations that cannot work, before anything starts."""
+    par = recipe.parallel
+    micro = ds["train_micro_batch_size_per_gpu"]
+    if micro % par.expert_parallel_size:
         raise ValueError(
-            "parallel: tensor/expert/pipeline parallel sizes > 1 are not wired into train.py yet "
-            "(set parallel.*_parallel_size=1; data parallelism and ZeRO work at any world size)")
-    return world_size
+            f"ds_config.train_micro_batch_size_per_gpu ({micro}) is not divisible by "
+            f"parallel.expert_parallel_size ({par.expert_parallel_size}): expert-parallel ranks "
+            f"split each micro-batch between them; use a multiple of {par.expert_parallel_size}")
+    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
+    half = ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
+    if stage == 0 and half and par.tensor_parallel_size * par.expert_parallel_size > 1:
+        raise ValueError(
+            "ds_config: ZeRO-0 with bf16/fp16 reports a wrong gradient norm (and clips wrongly) "
+            "under tensor/expert parallelism (DeepSpeed's FP16_UnfusedOptimizer skips every "
+            "shard on model-parallel ranks > 0): use ds_configs/zero1.json or higher")
 
 
 def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
@@ -98,8 +119,13 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
-    dp_group: object = None        # None = the default group (all ranks are data-parallel peers)
+    groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
     gpu: object = None             # launch.hardware.GPUSpec when on a known GPU
+
+    @property
+    def batch_group(self):
+        """Every rank that sees different tokens (ep x dp): loss and statistics sum over it."""
+        return self.groups.batch_group
 
     def flops_per_token(self, cfg, recipe: Recipe) -> float:
         return train_flops_per_token(cfg, recipe.seq_len)
@@ -119,8 +145,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> DistContext:
-    """Create the default process group (gloo on CPU, NCCL on GPU) through DeepSpeed.
+def init_distributed(recipe: Recipe) -> DistContext:
+    """Create the default process group (gloo on CPU, NCCL on GPU) through DeepSpeed, then the
+    tensor/expert/data-parallel groups.
 
     Plain ``python launch/train.py`` gets single-process defaults: without them DeepSpeed falls
     back to MPI discovery and fails.
@@ -139,7 +166,10 @@ def init_distributed() -> DistContext:
         gpu = detect_gpu(torch.cuda.get_device_name(device))
     else:
         device, gpu = torch.device("cpu"), None
-    return DistContext(rank, world, local_rank, device, gpu=gpu)
+    par = recipe.parallel
+    groups = build_groups(par.tensor_parallel_size, par.expert_parallel_size,
+                          par.pipeline_parallel_size, par.expert_placement)
+    return DistContext(rank, world, local_rank, device, groups, gpu=gpu)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +212,7 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
         comm.barrier()
         streams.append(tokens if tokens is not None else
                        data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR))
-    dp_rank = ctx.rank % dp_size
+    dp_rank = ctx.groups.dp_rank
     layout = data_lib.BatchLayout(ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
                                   dp_size, dp_rank)
     sampler = data_lib.PackedSampler(streams[0], seq_len, layout, recipe.train.seed)
@@ -191,8 +221,9 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
     return sampler, val
 
 
-def build_model(recipe: Recipe, init_from: Path | None) -> Transformer:
-    model = Transformer(recipe.model)
+def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups) -> Transformer:
+    """The model at this rank's layout; every layout starts from the same full weights."""
+    model = Transformer(recipe.model, groups, init_seed=recipe.train.seed)
     if init_from is not None:
         from safetensors.torch import load_file
         model.load_state_dict(load_file(str(init_from / "model.safetensors")), strict=True)
@@ -200,21 +231,24 @@ def build_model(recipe: Recipe, init_from: Path | None) -> Transformer:
     return model
 
 
-def build_engine(model: Transformer, ds: dict, total_steps: int):
+def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups):
     """``deepspeed.initialize`` with our parameter groups, optimizer and scheduler choices."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     ds, our_sched = schedules.split_scheduler(ds)
     wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
-    groups = optim.param_groups(model, wd)
-    client_opt, ds = optim.maybe_build_client_optimizer(ds, groups, get_accelerator().device_name())
+    param_groups = optim.param_groups(model, wd)
+    client_opt, ds = optim.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
     lr_scheduler = None
     if our_sched is not None:
         def lr_scheduler(opt):
             return schedules.build_scheduler(our_sched, opt, total_steps)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, optimizer=client_opt,
-                                      lr_scheduler=lr_scheduler, config=ds)
+    # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
+    mpu = groups if groups.tp * groups.ep > 1 else None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                      optimizer=client_opt, lr_scheduler=lr_scheduler,
+                                      config=ds, mpu=mpu)
     return engine
 
 

@@ -44,8 +44,8 @@ class SpikeMonitor:
 class Stepper:
     """Runs training steps and evaluation on ``engine`` and returns metric rows.
 
-    Statistics are summed over the data-parallel group (the default group while tensor, expert
-    and pipeline parallel sizes are 1).
+    Statistics are summed over the batch group (every rank that sees different tokens: expert
+    and data parallel); tensor-parallel peers hold identical values.
     """
 
     def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, tokens_per_step: int,
@@ -83,7 +83,7 @@ class Stepper:
             if i == gas - 1:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
-                comm.all_reduce_sum(stats, self.ctx.dp_group)
+                comm.all_reduce_sum(stats, self.ctx.batch_group)
                 step_loss = stats[0].item() / max(stats[1].item(), 1)
                 skip_reason = self._skip_reason(step_loss, stats[2].item() > 0)
             engine.backward(loss, scale_wrt_gas=False)
@@ -139,9 +139,14 @@ class Stepper:
 
     def _local_grad_norm(self) -> float:
         # ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
-        # does not report their norm there, so compute it (before clipping, as it does elsewhere).
-        sq = sum(p.grad.double().pow(2).sum() for p in self.model.parameters() if p.grad is not None)
-        return float(sq) ** 0.5
+        # does not report their norm there, so compute it (before clipping, as it does
+        # elsewhere): every shard counted once on its canonical holder (the
+        # ``tensor_model_parallel`` mark, see model/parallel/layers.py), summed over tp x ep.
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            if p.grad is not None and getattr(p, "tensor_model_parallel", True):
+                sq += p.grad.double().pow(2).sum()
+        return float(comm.all_reduce_sum(sq, self.ctx.groups.mp_group)) ** 0.5
 
     def _row(self, step, stats, step_loss, saved_lr, applied, skip_reason, step_time) -> tuple[dict, dict]:
         gn = self.engine.get_global_grad_norm()
@@ -181,5 +186,5 @@ class Stepper:
             sums[0] += out.ce_sum.double().item()
             sums[1] += out.num_target_tokens.item()
         self.engine.train()
-        comm.all_reduce_sum(sums, self.ctx.dp_group)
+        comm.all_reduce_sum(sums, self.ctx.batch_group)
         return sums[0].item() / max(sums[1].item(), 1)

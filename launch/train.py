@@ -72,6 +72,7 @@ def prepare(args: argparse.Namespace) -> Plan:
     dp_size = run_setup.data_parallel_size(recipe, world_size)
     ds = ds_config.validate_ds_config(ds_config.load_ds_config(args.config), dp_size)
     ds = run_setup.resolve_ds_config(ds, recipe)
+    run_setup.check_layout(recipe, ds)
     run_setup.check_data_source(recipe)
     init_from = run_setup.check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
@@ -81,7 +82,7 @@ def prepare(args: argparse.Namespace) -> Plan:
 
 def train(plan: Plan) -> int:
     recipe, tcfg = plan.recipe, plan.recipe.train
-    ctx = run_setup.init_distributed()                 # process groups (gloo on CPU, NCCL on GPU)
+    ctx = run_setup.init_distributed(recipe)           # process groups (gloo on CPU, NCCL on GPU)
     rank0 = ctx.rank == 0
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
     if rank0:
@@ -89,9 +90,8 @@ def train(plan: Plan) -> int:
     tokenizer, corpus = run_setup.build_tokenizer(recipe, run_dir, plan.init_from, ctx)
     sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
 
-    torch.manual_seed(tcfg.seed)                       # same initial weights on every rank
-    model = run_setup.build_model(recipe, plan.init_from)
-    engine = run_setup.build_engine(model, plan.ds, tcfg.steps)
+    model = run_setup.build_model(recipe, plan.init_from, ctx.groups)
+    engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
     if rank0:
         run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
 

@@ -71,6 +71,11 @@ class ParallelGroups:
     pp_group: object = None
     expert_placement: str = "contiguous"
     _ranks: dict = field(default_factory=dict, repr=False)
+    _handles: dict = field(default_factory=dict, repr=False)   # real groups, size 1 included
+
+    def _group(self, name: str):
+        # DeepSpeed wants a real group even of one rank; our own code uses None for those.
+        return self._handles.get(name, getattr(self, f"{name}_group"))
 
     @property
     def mp_rank(self) -> int:
@@ -84,7 +89,7 @@ class ParallelGroups:
         return self.tp * self.ep
 
     def get_model_parallel_group(self):
-        return self.mp_group
+        return self._group("mp")
 
     # DeepSpeed counts a gradient in the global norm when the parameter is marked
     # ``tensor_model_parallel`` or this "tensor" rank is 0, then sums over the model-parallel
@@ -100,7 +105,7 @@ class ParallelGroups:
         return self.dp
 
     def get_data_parallel_group(self):
-        return self.dp_group
+        return self._group("dp")
 
     def get_data_parallel_group_ranks(self) -> list[int]:
         return self._ranks.get("dp", [0])
@@ -149,10 +154,11 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1,
             key = tuple(c[a] for a in ("tp", "ep", "dp", "pp") if a not in free)
             buckets.setdefault(key, []).append(r)
         for ranks in buckets.values():
-            group = dist.new_group(ranks) if size > 1 else None
+            group = dist.new_group(ranks)
             if rank in ranks:
                 out._ranks[name] = ranks
-                setattr(out, f"{name}_group", group)
+                out._handles[name] = group
+                setattr(out, f"{name}_group", group if size > 1 else None)
     return out
 
 

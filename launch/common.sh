@@ -1,0 +1,156 @@
+# shellcheck shell=bash
+# Shared logic of the launch scripts (launch/*.sh, launch/slurm_8x8.sbatch). Sourced, never run.
+#
+# A launch script sets the cluster shape, sources this file and calls one launch_* function:
+#     NUM_NODES=2; NPROC_PER_NODE=8; source launch/common.sh; launch_deepspeed_hostfile "$@"
+# Its arguments: [--dry-run] [HOSTFILE] RECIPE CONFIG [train.py args ...]. Everything after CONFIG
+# goes to launch/train.py unchanged (--steps N, --run-dir D, --set k=v ..., --init-from D).
+# --dry-run (anywhere) prints the exact command on stdout, shell-quoted on one line, and the
+# environment on stderr, and exits 0 without running anything. Paths are relative to the
+# directory you run from, as for every other command in this repo; multi-node runs need the repo
+# and the paths at the same place on every node (a shared filesystem).
+
+set -euo pipefail
+
+_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# launch/train.py as the user would type it from the repo root; absolute from anywhere else.
+if [[ $PWD == "$_REPO" ]]; then TRAIN_PY=launch/train.py; else TRAIN_PY=$_REPO/launch/train.py; fi
+
+die() { echo "$(basename "$0"): error: $*" >&2; exit 2; }
+_usage() { sed -n 's/^# Usage: /usage: /p' "$0" >&2; }
+
+# _setenv NAME DEFAULT: keep NAME from the caller's environment, else DEFAULT. An empty value
+# leaves NAME unset, so NCCL or CUDA picks its own default.
+_ENV_NAMES=()
+_setenv() {
+    local value=${!1-$2}
+    if [[ -n $value ]]; then export "$1=$value"; else unset "$1"; fi
+    _ENV_NAMES+=("$1")
+}
+
+[[ ${NPROC_PER_NODE-} =~ ^[1-9][0-9]*$ ]] ||
+    die "ranks per node (NPROC for cpu_local.sh) must be a positive integer, got '${NPROC_PER_NODE-}'"
+
+# ---- Environment. Every value below can be overridden by exporting it before running a script.
+# InfiniBand adapters NCCL may use (e.g. mlx5_0,mlx5_1): set when some are down or on another fabric.
+_setenv NCCL_IB_HCA ""
+# NIC for NCCL's bootstrap and sockets (e.g. eth0, ^docker,lo): set when NCCL picks one other nodes can't reach.
+_setenv NCCL_SOCKET_IFNAME ""
+# 1 forces TCP sockets instead of InfiniBand/RoCE: on clusters without IB, or to rule IB out in a hang.
+_setenv NCCL_IB_DISABLE ""
+# NVLink SHARP on NVSwitch nodes (H100/H200): 0 when NVLS fails to start in a container or its buffers cost memory.
+_setenv NCCL_NVLS_ENABLE ""
+# WARN prints only problems; INFO shows the rings and transports chosen: use it for hangs and slow collectives.
+_setenv NCCL_DEBUG WARN
+# Hardware queues per GPU (CUDA default 8): 1 only for Megatron-style TP overlap; 1 serializes ZeRO-3 prefetch.
+_setenv CUDA_DEVICE_MAX_CONNECTIONS ""
+# CPU threads per rank, cores / ranks per node so ranks don't oversubscribe: lower it if data-loader workers need cores.
+_CORES=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+_setenv OMP_NUM_THREADS "$(( _CORES / NPROC_PER_NODE > 0 ? _CORES / NPROC_PER_NODE : 1 ))"
+
+# _parse NPOS "NAME ..." ARGS...: sets DRY_RUN, POS (the NPOS positional arguments, checked to
+# be files) and TRAIN_ARGS (the rest).
+_parse() {
+    local npos=$1 names a
+    read -ra names <<<"$2"
+    shift 2
+    DRY_RUN=0 POS=() TRAIN_ARGS=()
+    for a in "$@"; do
+        if [[ $a == --dry-run ]]; then DRY_RUN=1
+        elif (( ${#POS[@]} < npos )); then
+            if [[ $a == -h || $a == --help ]]; then    # the script's header comment
+                sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0
+            fi
+            [[ $a == -* ]] && { _usage; die "expected ${names[${#POS[@]}]}, got option $a"; }
+            POS+=("$a")
+        else
+            [[ $a == --config* || $a == --recipe* ]] &&
+                { _usage; die "give RECIPE and CONFIG as positional arguments, not $a"; }
+            TRAIN_ARGS+=("$a")
+        fi
+    done
+    (( ${#POS[@]} == npos )) || { _usage; die "missing ${names[*]:${#POS[@]}}"; }
+    for a in "${POS[@]}"; do [[ -f $a ]] || die "no such file: $a"; done
+}
+
+# The trainer's part of every command: train.py, CONFIG, RECIPE, then the pass-through arguments.
+# (${X[@]+"${X[@]}"}: an empty array under `set -u` on bash < 4.4, still common on clusters.)
+_train() { TRAIN=("$TRAIN_PY" --config "$CONFIG" --recipe "$RECIPE" ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}); }
+
+# _quote ARGS...: one line that a POSIX shell (and Python's shlex.split) reads back as ARGS.
+_quote() {
+    local out=() a
+    for a in "$@"; do
+        if [[ $a =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$a"); else out+=("'${a//\'/\'\\\'\'}'"); fi
+    done
+    echo "${out[*]}"
+}
+
+# _run ARGS...: print (--dry-run) or log and exec the command.
+_run() {
+    local n env=()
+    for n in "${_ENV_NAMES[@]}"; do [[ -n ${!n+set} ]] && env+=("$n=${!n}"); done
+    if (( DRY_RUN )); then echo "# env: ${env[*]-}" >&2; _quote "$@"; exit 0; fi
+    echo "+ $(_quote "$@")" >&2
+    exec "$@"
+}
+
+# ---- One function per launcher.
+
+# Local CPU ranks over gloo. torchrun --standalone rather than `deepspeed --num_gpus N`: it is the
+# launcher the multi-rank tests use, and it picks a free port, so two local runs do not collide
+# on DeepSpeed's fixed 29500.
+launch_torchrun_cpu() {
+    _parse 2 "RECIPE CONFIG" "$@"; RECIPE=${POS[0]} CONFIG=${POS[1]}; _train
+    export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu   # gloo on CPU even on a machine with GPUs
+    _ENV_NAMES+=(CUDA_VISIBLE_DEVICES DS_ACCELERATOR)
+    _run torchrun --standalone --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${TRAIN[@]}"
+}
+
+# One node: DeepSpeed starts NPROC_PER_NODE ranks on GPUs 0..N-1.
+launch_deepspeed() {
+    _parse 2 "RECIPE CONFIG" "$@"; RECIPE=${POS[0]} CONFIG=${POS[1]}; _train
+    _run deepspeed --num_gpus "$NPROC_PER_NODE" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
+}
+
+# Several nodes from a DeepSpeed hostfile ("HOST slots=8" per line): DeepSpeed ssh-es (pdsh) into
+# the first NUM_NODES hosts. It forwards only NCCL_*, PYTHON*, UCX_* and the like to them; the
+# other variables set above travel in ./.deepspeed_env, which it reads at start.
+launch_deepspeed_hostfile() {
+    _parse 3 "HOSTFILE RECIPE CONFIG" "$@"; HOSTFILE=${POS[0]} RECIPE=${POS[1]} CONFIG=${POS[2]}; _train
+    local hosts
+    hosts=$(awk '!/^[[:space:]]*(#|$)/ {n++} END {print n + 0}' "$HOSTFILE")
+    (( hosts >= NUM_NODES )) ||
+        die "$HOSTFILE lists $hosts hosts, this script needs $NUM_NODES ('HOST slots=$NPROC_PER_NODE' per line)"
+    (( DRY_RUN )) || _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS
+    _run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
+        ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
+}
+
+# _write_deepspeed_env NAMES...: put NAMES into ./.deepspeed_env, keeping the file's other lines.
+_write_deepspeed_env() {
+    local f=.deepspeed_env n lines=() pattern
+    pattern="^($(IFS='|'; echo "$*"))="
+    [[ -f $f ]] && mapfile -t lines < <(grep -Ev "$pattern" "$f" || true)
+    for n in "$@"; do [[ -n ${!n-} ]] && lines+=("$n=${!n}"); done
+    if (( ${#lines[@]} )); then printf '%s\n' "${lines[@]}" >"$f"; else rm -f "$f"; fi
+}
+
+# Inside a SLURM job: srun starts one torchrun per node, which starts NPROC_PER_NODE ranks.
+# torchrun rather than a hostfile + deepspeed/pdsh: no ssh or pdsh between compute nodes (often
+# not allowed), SLURM starts, accounts and kills every rank (scancel, time limit), srun passes the
+# whole environment, and the c10d rendezvous on the first node makes the per-node command the same
+# on every node. DeepSpeed still runs inside train.py; only its launcher is not used.
+launch_srun_torchrun() {
+    _parse 2 "RECIPE CONFIG" "$@"; RECIPE=${POS[0]} CONFIG=${POS[1]}; _train
+    [[ -n ${SLURM_JOB_ID-} && -n ${SLURM_JOB_NODELIST-} ]] || die "not inside a SLURM job: submit with sbatch"
+    command -v scontrol >/dev/null || die "scontrol not found: run inside a SLURM allocation"
+    local hosts=()
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    (( ${#hosts[@]} == NUM_NODES )) ||
+        die "the job has ${#hosts[@]} nodes, this script needs $NUM_NODES (copy it for another shape)"
+    : "${MASTER_ADDR:=${hosts[0]}}" "${MASTER_PORT:=29500}"
+    _run srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
+        torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" --rdzv_backend c10d \
+        --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" "${TRAIN[@]}"
+}

@@ -1,0 +1,197 @@
+"""Launch scripts (launch/*.sh, launch/slurm_8x8.sbatch): each ``--dry-run`` prints one command
+that its launcher's own parser and ``launch/train.py``'s parser accept, with the cluster shape the
+script is named for. Nothing is launched: the scripts run under bash, with a fake hostfile, fake
+SLURM variables and a fake ``scontrol`` (or ``deepspeed``) on PATH where they need one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from deepspeed.launcher.runner import parse_args as deepspeed_parse_args
+from torch.distributed.run import get_args_parser as torchrun_args_parser
+
+from launch.train import parse_args as train_parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = ("cpu_local.sh", "gpu_1.sh", "node_8gpu.sh", "multinode_hostfile.sh", "multinode_8x8.sh",
+           "slurm_8x8.sbatch")
+RECIPE, CONFIG = "recipes/tiny_mixtral.yaml", "ds_configs/zero3.json"
+# Pass-through arguments, with a space and a quote to prove the printed line is shell-quoted.
+EXTRA = ["--steps", "5", "--run-dir", "runs/a b", "--set", "train.seed=1", "tracking.run_name=it's"]
+JOB_ID = "4242"
+
+
+def _fake_bin(tmp_path: Path, name: str, body: str) -> dict:
+    """Put an executable `name` on PATH and return the env that sees it."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/bin/sh\n" + body)
+    (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _hostfile(tmp_path: Path, nodes: int) -> str:
+    path = tmp_path / f"hostfile{nodes}"
+    path.write_text("# DeepSpeed hostfile\n" + "".join(f"gpu{i:02d} slots=8\n" for i in range(1, nodes + 1)))
+    return str(path)
+
+
+def _slurm_env(tmp_path: Path, nodes: int = 8) -> dict:
+    hosts = " ".join(f"gpu{i:02d}" for i in range(1, nodes + 1))
+    env = _fake_bin(tmp_path, "scontrol", f'[ "$1 $2" = "show hostnames" ] || exit 1\n'
+                                          f'for h in {hosts}; do echo $h; done\n')
+    return {**env, "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": f"gpu[01-{nodes:02d}]",
+            "SLURM_NNODES": str(nodes), "SLURM_SUBMIT_DIR": str(REPO)}
+
+
+def _run(script: str, *args: str, env: dict | None = None, cwd: Path = REPO,
+         dry_run: bool = True) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT", "NPROC")}
+    argv = ["bash", str(REPO / "launch" / script), *(["--dry-run"] if dry_run else []), *args]
+    return subprocess.run(argv, cwd=cwd, env={**base, **(env or {})}, capture_output=True,
+                          text=True, timeout=30)
+
+
+def _dry_run_argv(script: str, *args: str, env: dict | None = None) -> list[str]:
+    proc = _run(script, *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, f"one command line expected, got {proc.stdout!r}"
+    return shlex.split(lines[0])
+
+
+def _check_train_args(script_path: str, argv: list[str]) -> None:
+    """(b) and (d): the trainer part names launch/train.py, CONFIG, RECIPE and parses."""
+    assert script_path.endswith("launch/train.py")
+    args = train_parse_args(argv)
+    assert (args.config, args.recipe, args.steps, args.run_dir) == (CONFIG, RECIPE, 5, "runs/a b")
+    assert args.set == ["train.seed=1", "tracking.run_name=it's"]
+
+
+# (script, nodes, ranks per node, extra env); a hostfile and SLURM are faked for the scripts that need them.
+CASES = [("cpu_local.sh", 1, 2, {}), ("cpu_local.sh", 1, 4, {"NPROC": "4"}), ("gpu_1.sh", 1, 1, {}),
+         ("node_8gpu.sh", 1, 8, {}), ("multinode_hostfile.sh", 2, 8, {}), ("multinode_8x8.sh", 8, 8, {}),
+         ("slurm_8x8.sbatch", 8, 8, {})]
+
+
+@pytest.mark.parametrize("script,nodes,nproc,env", CASES,
+                         ids=[f"{c[0]}-{c[2]}" for c in CASES])
+def test_dry_run_prints_a_valid_command_with_the_cluster_shape(tmp_path, script, nodes, nproc, env):
+    hostfile = [_hostfile(tmp_path, nodes)] if script.startswith("multinode") else []
+    if script.endswith(".sbatch"):
+        env = {**env, **_slurm_env(tmp_path, nodes)}
+    argv = _dry_run_argv(script, *hostfile, RECIPE, CONFIG, *EXTRA, env=env)
+
+    if argv[0] == "deepspeed":                                  # (a) launcher, (c) shape
+        ds = deepspeed_parse_args(argv[1:])
+        assert ds.num_gpus == nproc
+        if hostfile:
+            assert (ds.hostfile, ds.num_nodes) == (hostfile[0], nodes)
+        else:
+            assert nodes == 1 and ds.num_nodes == -1            # -1: this machine only
+        _check_train_args(ds.user_script, ds.user_args)
+        return
+
+    if script == "cpu_local.sh":
+        assert argv[0] == "torchrun"
+        torchrun_argv = argv[1:]
+    else:                                                        # srun [srun flags] torchrun ...
+        assert script == "slurm_8x8.sbatch" and argv[0] == "srun"
+        cut = argv.index("torchrun")
+        assert argv[1:cut] == ["--nodes", str(nodes), "--ntasks-per-node", "1", "--gpus-per-node",
+                               str(nproc), "--kill-on-bad-exit=1"]
+        torchrun_argv = argv[cut + 1:]
+    tr = torchrun_args_parser().parse_args(torchrun_argv)
+    assert (tr.nnodes, tr.nproc_per_node) == (str(nodes), str(nproc))
+    if script == "cpu_local.sh":
+        assert tr.standalone
+    else:  # rendezvous on the job's first node, the same command on every node
+        assert (tr.rdzv_backend, tr.rdzv_endpoint, tr.rdzv_id) == ("c10d", "gpu01:29500", JOB_ID)
+    _check_train_args(tr.training_script, tr.training_script_args)
+
+
+def test_recipe_header_commands_are_what_the_scripts_run(tmp_path):
+    """Every recipe's `deepspeed ... launch/train.py` line is the exact dry run of its script."""
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        header = "".join(l for l in recipe.read_text().splitlines(keepends=True) if l.startswith("#"))
+        line = re.search(r"^#\s+(?:Launch: )?(deepspeed .*launch/train\.py .*)$", header, re.M).group(1)
+        ds = deepspeed_parse_args(shlex.split(line)[1:])
+        if ds.hostfile == "hostfile":
+            script = {2: "multinode_hostfile.sh", 8: "multinode_8x8.sh"}[ds.num_nodes]
+            prefix = [_hostfile(tmp_path, ds.num_nodes)]
+        else:
+            script, prefix = {1: "gpu_1.sh", 8: "node_8gpu.sh"}[ds.num_gpus], []
+        train = train_parse_args(ds.user_args)
+        out = _run(script, *prefix, train.recipe, train.config).stdout.strip()
+        assert (out.replace(prefix[0], "hostfile") if prefix else out) == line, recipe.name
+        named = re.findall(r"launch/(\w+\.sh)", header)
+        assert set(named) <= {script}, f"{recipe.name} names {named}, its command is {script}'s"
+
+
+@pytest.mark.parametrize("script,args,env,message", [
+    ("gpu_1.sh", [], {}, "missing RECIPE CONFIG"),
+    ("node_8gpu.sh", [RECIPE], {}, "missing CONFIG"),
+    ("multinode_hostfile.sh", [RECIPE, CONFIG], {}, "missing CONFIG"),
+    ("cpu_local.sh", ["--steps", "5", RECIPE, CONFIG], {}, "expected RECIPE, got option --steps"),
+    ("gpu_1.sh", [RECIPE, CONFIG, "--config", CONFIG], {}, "as positional arguments"),
+    ("gpu_1.sh", [RECIPE, "no_such.json"], {}, "no such file: no_such.json"),
+    ("cpu_local.sh", [RECIPE, CONFIG], {"NPROC": "two"}, "must be a positive integer"),
+    ("slurm_8x8.sbatch", [RECIPE, CONFIG], {}, "not inside a SLURM job"),
+])
+def test_bad_arguments_exit_2_with_a_usage_line(script, args, env, message):
+    proc = _run(script, *args, env=env)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert message in proc.stderr, proc.stderr
+    if message.startswith(("missing", "expected")):
+        assert re.search(rf"^usage: launch/{re.escape(script)} \[--dry-run\] .*RECIPE CONFIG", proc.stderr,
+                         re.M) or script.endswith(".sbatch"), proc.stderr
+
+
+def test_cluster_mismatches_are_refused(tmp_path):
+    proc = _run("multinode_8x8.sh", _hostfile(tmp_path, 2), RECIPE, CONFIG)
+    assert proc.returncode == 2 and "lists 2 hosts, this script needs 8" in proc.stderr
+    proc = _run("slurm_8x8.sbatch", RECIPE, CONFIG, env=_slurm_env(tmp_path, nodes=4))
+    assert proc.returncode == 2 and "the job has 4 nodes, this script needs 8" in proc.stderr
+
+
+def test_scripts_are_short_executable_and_documented():
+    for name in SCRIPTS:
+        path = REPO / "launch" / name
+        text = path.read_text()
+        assert os.access(path, os.X_OK), f"chmod +x launch/{name}"
+        for field in ("# Cluster:", "# Usage:", "# Example:"):
+            assert field in text, f"launch/{name}: header lacks {field}"
+        code = [l for l in text.splitlines() if l.strip() and not l.startswith("#")]
+        assert len(code) <= 6 and any("common.sh" in l for l in code), f"launch/{name}: {code}"
+    help_ = _run("gpu_1.sh", "--help", dry_run=False)
+    assert help_.returncode == 0 and help_.stdout.startswith("Cluster: 1 GPU")
+
+
+def test_real_hostfile_launch_from_another_directory(tmp_path):
+    """Without --dry-run the script execs the launcher (a fake deepspeed here) with the printed
+    arguments, from any directory, and writes the variables pdsh does not forward into
+    ./.deepspeed_env, keeping the lines it does not own."""
+    env = {**_fake_bin(tmp_path, "deepspeed", 'echo "$@"; echo "OMP=$OMP_NUM_THREADS NCCL=$NCCL_DEBUG"\n'),
+           "OMP_NUM_THREADS": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "INFO"}
+    (tmp_path / ".deepspeed_env").write_text("MY_VAR=1\nOMP_NUM_THREADS=99\n")
+    hostfile, recipe, config = _hostfile(tmp_path, 2), str(REPO / RECIPE), str(REPO / CONFIG)
+    proc = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path, dry_run=False)
+    assert proc.returncode == 0, proc.stderr
+    argv_line, env_line = proc.stdout.splitlines()
+    assert shlex.split(argv_line)[:7] == ["--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "8",
+                                          str(REPO / "launch" / "train.py")]
+    assert env_line == "OMP=3 NCCL=INFO"
+    assert (tmp_path / ".deepspeed_env").read_text().splitlines() == [
+        "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3"]
+    # The dry run prints the same command and leaves .deepspeed_env alone.
+    (tmp_path / ".deepspeed_env").write_text("MY_VAR=2\n")
+    dry = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path)
+    assert shlex.split(dry.stdout) == ["deepspeed", *shlex.split(argv_line)]
+    assert (tmp_path / ".deepspeed_env").read_text() == "MY_VAR=2\n"

@@ -1,0 +1,64 @@
+"""Launch ``launch/train.py`` as a user would (torchrun or plain python) and read its metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 10
+# A small MoE model so that each step takes milliseconds; router jitter on, so that the resume
+# test also proves the RNG streams continue.
+SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.ffn_hidden_size=64",
+         "model.max_seq_len=64", "data.seq_len=64", "data.max_bytes=1500000",
+         "tokenizer.train_bytes=1500000", "model.moe.router_jitter=0.01", "eval.every=5",
+         "eval.batches=2", "train.log_every=5"]
+
+
+def env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", WANDB_SILENT="true",
+               TOKENIZERS_PARALLELISM="false")
+    env.pop("RANK", None)
+    return env
+
+
+def launch(run_dir: Path, config: str, nproc: int = 2, extra=(), timeout: int = 300,
+           wait: bool = True):
+    """Start ``launch/train.py`` like a user would (torchrun for nproc > 1)."""
+    prefix = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(_free_port())] if nproc > 1 else [sys.executable])
+    cmd = prefix + ["launch/train.py", "--config", config, "--run-dir", str(run_dir),
+                    "--steps", str(STEPS), "--set", *SMALL, *extra]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def ds_variant(tmp: Path, name: str, **changes) -> str:
+    cfg = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
+    cfg.update(changes)
+    path = tmp / f"{name}-{'-'.join(f'{k}{v}' for k, v in changes.items())}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
