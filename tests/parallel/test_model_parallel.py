@@ -115,3 +115,23 @@ def test_init_is_the_same_full_model_at_any_layout_single_process():
     c = Transformer(cfg, init_seed=4)
     assert not torch.equal(a.layers[0].self_attn.q_proj.weight, c.layers[0].self_attn.q_proj.weight)
     assert not dist.is_initialized()
+
+
+def test_model_parallel_shards_merge_back_into_the_full_model():
+    from launch.checkpoint import merge_model_parallel
+    from model.parallel.groups import ParallelGroups
+    cfg = _configs()["mixtral"]
+    ref = dict(Transformer(cfg, init_seed=5).named_parameters())
+    for placement in ("contiguous", "round_robin"):
+        shards = {}
+        for ep_rank in range(2):
+            for tp_rank in range(2):
+                layout = ParallelGroups(tp=2, ep=2, tp_rank=tp_rank, ep_rank=ep_rank,
+                                        expert_placement=placement)
+                model = Transformer(cfg, layout, init_seed=5)
+                shards[ep_rank * 2 + tp_rank] = {n: p.detach() for n, p in model.named_parameters()}
+        world = {"tensor_parallel_size": 2, "expert_parallel_size": 2, "expert_placement": placement}
+        full = merge_model_parallel(cfg, world, shards)
+        assert full.keys() == ref.keys()
+        for name, p in ref.items():
+            assert torch.equal(full[name], p.detach()), (placement, name)
