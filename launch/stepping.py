@@ -9,6 +9,10 @@ produces the same gradient as micro-batch 4 x accumulation 1.
 
 The router losses are per micro-batch means (as in Switch/Megatron: the balance statistics are
 taken over the tokens of one forward pass), averaged over micro-batches and ranks.
+
+With pipeline stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the step's
+micro-batches; the same objective is built on the last stage (``launch/pipeline.py``) and the
+statistics, the skip decision and the lr are taken in a hook before the optimizer step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ import time
 import torch
 
 from model.parallel import comm
+
+
+def _schedule_position(scheduler) -> int | None:
+    """How many times an lr scheduler has stepped (DeepSpeed's or torch's), None without one."""
+    if scheduler is None:
+        return None
+    return getattr(scheduler, "last_batch_iteration", getattr(scheduler, "last_epoch", None))
 
 
 class SpikeMonitor:
@@ -60,6 +71,13 @@ class Stepper:
         self.tokens_seen = (monitor_state or {}).get("tokens", 0)
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
         self.num_moe_layers = self.cfg.num_moe_layers
+        self.pipeline = ctx.groups.pp > 1
+        if self.pipeline:
+            from launch import pipeline
+            gas = ds["gradient_accumulation_steps"]
+            # DeepSpeed divides the last stage's loss by gas: undo it (see launch/pipeline.py).
+            self.model.loss_fn.ce_scale = dp_size * gas / tokens_per_step
+            pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
 
     def monitor_state(self) -> dict:
         return {**self.spikes.state(), "tokens": self.tokens_seen}
@@ -71,6 +89,8 @@ class Stepper:
 
     def train_step(self, step: int, batches) -> tuple[dict, dict]:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
+        if self.pipeline:
+            return self._pipeline_train_step(step, batches)
         t0 = time.time()
         engine, gas = self.engine, len(batches)
         stats = self._stats_vector()
@@ -90,13 +110,40 @@ class Stepper:
             if i == gas - 1:
                 saved_lr = self._prepare_last_step(skip_reason)
             engine.step()
+        return self._finish_step(step, stats, step_loss, saved_lr, skip_reason, t0)
+
+    def _finish_step(self, step, stats, step_loss, saved_lr, skip_reason, t0) -> tuple[dict, dict]:
+        engine = self.engine
         applied = engine.was_step_applied() and skip_reason is None
-        if saved_lr is not None and engine.lr_scheduler is None:
+        if saved_lr is not None and _schedule_position(engine.lr_scheduler) == self._sched_before:
+            # No scheduler, or it did not step (DeepSpeed skips it with the optimizer step on
+            # an overflow): put back the lr we zeroed, or the next step would run at lr 0.
             for group, lr in zip(engine.optimizer.param_groups, saved_lr):
                 group["lr"] = lr
         if skip_reason is None:
             self.spikes.record(step_loss)
         return self._row(step, stats, step_loss, saved_lr, applied, skip_reason, time.time() - t0)
+
+    def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
+        """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
+        inside ``train_batch`` after the last backward."""
+        t0 = time.time()
+        self.model.reset_stats()
+        self._decided = None
+        self.engine.train_batch(iter(batches))
+        return self._finish_step(step, *self._decided, t0)
+
+    def _pipeline_before_step(self, gas: int) -> None:
+        # Every value lives on one stage (the losses on the last, each MoE layer's on its own):
+        # sum over the ranks that see different tokens, then over the stages.
+        stats = self._stats_vector()
+        self.model.add_step_stats(stats, gas)
+        comm.all_reduce_sum(stats, self.ctx.batch_group)
+        comm.all_reduce_sum(stats, self.ctx.groups.pp_group)
+        step_loss = stats[0].item() / max(stats[1].item(), 1)
+        skip_reason = self._skip_reason(step_loss, stats[2].item() > 0)
+        saved_lr = self._prepare_last_step(skip_reason)
+        self._decided = (stats, step_loss, saved_lr, skip_reason)
 
     def _accumulate(self, stats: torch.Tensor, out, gas: int) -> None:
         stats[0] += out.ce_sum.detach().double().item()
@@ -111,10 +158,13 @@ class Stepper:
             stats[7:] += counts.cpu()
 
     def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
+        self._spike = False
         if nonfinite or not math.isfinite(step_loss):
             return "non-finite loss"
-        if self.spikes.is_spike(step_loss) and self.recipe.train.spike_action != "log":
-            return f"loss spike ({step_loss:.4f})"
+        if self.spikes.is_spike(step_loss):
+            self._spike = True
+            if self.recipe.train.spike_action != "log":
+                return f"loss spike ({step_loss:.4f})"
         return None
 
     def _prepare_last_step(self, skip_reason: str | None) -> list[float] | None:
@@ -124,6 +174,7 @@ class Stepper:
         are also zeroed at ZeRO-0 (ZeRO 1-3 and half precision skip them natively).
         """
         lrs = [g["lr"] for g in self.engine.optimizer.param_groups]
+        self._sched_before = _schedule_position(self.engine.lr_scheduler)
         self._lr = lrs[0]
         if skip_reason is None:
             self._grad_norm_local = self._local_grad_norm() if self.zero_stage == 0 and not self.half else None
@@ -142,11 +193,15 @@ class Stepper:
         # does not report their norm there, so compute it (before clipping, as it does
         # elsewhere): every shard counted once on its canonical holder (the
         # ``tensor_model_parallel`` mark, see model/parallel/layers.py), summed over tp x ep.
+        # Pipeline stages hold different layers (summed over pp); a tied weight's copy on a
+        # later stage is marked ``ds_pipe_replicated`` by DeepSpeed and counted once.
         sq = torch.zeros((), dtype=torch.float64)
         for p in self.model.parameters():
-            if p.grad is not None and getattr(p, "tensor_model_parallel", True):
+            if (p.grad is not None and getattr(p, "tensor_model_parallel", True)
+                    and not getattr(p, "ds_pipe_replicated", False)):
                 sq += p.grad.double().pow(2).sum()
-        return float(comm.all_reduce_sum(sq, self.ctx.groups.mp_group)) ** 0.5
+        comm.all_reduce_sum(sq, self.ctx.groups.mp_group)
+        return float(comm.all_reduce_sum(sq, self.ctx.groups.pp_group)) ** 0.5
 
     def _row(self, step, stats, step_loss, saved_lr, applied, skip_reason, step_time) -> tuple[dict, dict]:
         gn = self.engine.get_global_grad_norm()
@@ -169,6 +224,8 @@ class Stepper:
             for layer, (r, c) in enumerate(zip(ratio.tolist(), counts.tolist())):
                 extra[f"moe/layer{layer}/load_max_over_mean"] = r
                 extra[f"moe/layer{layer}/tokens_per_expert"] = c
+        if self._spike:
+            row["spike"] = True     # logged in every case; skipped or stopped when asked
         if not applied:
             row["skipped"] = skip_reason or "optimizer skipped the step (overflow)"
         if skip_reason and skip_reason.startswith("loss spike") and self.recipe.train.spike_action == "stop":
@@ -179,6 +236,13 @@ class Stepper:
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         """Mean next-token loss over the validation batches (summed over data-parallel ranks)."""
+        if self.pipeline:
+            self.model.reset_stats()
+            self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+            sums = self.model.eval_sums()
+            comm.all_reduce_sum(sums, self.ctx.batch_group)
+            comm.all_reduce_sum(sums, self.ctx.groups.pp_group)
+            return sums[0].item() / max(sums[1].item(), 1)
         self.engine.eval()
         sums = torch.zeros(2, dtype=torch.float64)
         for input_ids, labels in batches:

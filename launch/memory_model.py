@@ -1,0 +1,346 @@
+"""Per-GPU memory of one training step: model states under ZeRO, activations, buffers.
+
+Pure functions of the model config, the parallel layout and the DeepSpeed JSON, used by
+``launch/estimate_memory.py`` and checked by ``tests/launch/test_estimate_memory.py`` against the
+ZeRO paper's closed forms, the tensors DeepSpeed 0.19.8 actually holds per rank, and the tensors
+autograd saves in ``model.Transformer``. All figures are bytes (the CLI prints GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from model.config import TransformerConfig
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FP32, INT64 = 4, 8
+# DeepSpeed 0.19.8 defaults (deepspeed/runtime/zero/config.py) for keys a JSON leaves out.
+ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8,
+                 "stage3_prefetch_bucket_size": 5e7, "stage3_max_live_parameters": 1e9,
+                 "sub_group_size": 1e9, "contiguous_gradients": True}
+
+
+def zero_shard_group_size(world: int, tp: int, ep: int, pp: int) -> int:
+    """The data-parallel size ZeRO shards and reduces over.
+
+    This repo folds expert parallelism into DeepSpeed's model-parallel group
+    (``model/parallel/groups.py``, DESIGN.md section 6 option 2; the design is in progress): ZeRO's
+    data-parallel group is ``world / (tp * ep * pp)`` for ALL parameters, expert and non-expert
+    alike; non-expert parameters are replicated over the ep ranks, and those ranks split each
+    micro-batch among themselves. (DeepSpeed's own MoE would instead shard non-expert parameters
+    over ``world / (tp * pp)`` and experts over ``world / (tp * ep * pp)``.) Change it here only.
+    """
+    model = tp * ep * pp
+    if world % model:
+        raise ValueError(f"--gpus ({world}) is not divisible by tensor x expert x pipeline parallel "
+                         f"sizes ({tp} x {ep} x {pp} = {model}): use a multiple of {model} GPUs "
+                         f"or change parallel.*_parallel_size")
+    return world // model
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank sits: world size, parallel degrees, node size."""
+
+    world: int
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    sp: bool = False            # sequence parallelism splits TP-replicated activations by tp
+    gpus_per_node: int = 8
+
+    @property
+    def dp(self) -> int:
+        return zero_shard_group_size(self.world, self.tp, self.ep, self.pp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states.
+
+def model_state_bytes(psi: float, dp: int, stage: int, precision: str = "bf16",
+                      offload_optimizer: bool = False, offload_params: bool = False,
+                      master_copy: bool | None = None,
+                      grads_partitioned: bool | None = None) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and Adam states for ``psi`` parameters.
+
+    ZeRO paper (arXiv:1910.02054, section 3): mixed precision keeps 2 psi of 16-bit parameters,
+    2 psi of 16-bit gradients and K psi = 12 psi of optimizer states (fp32 master 4 + momentum 4
+    + variance 4); plain fp32 keeps 4 + 4 and K = 8 (no master copy). Over dp ranks,
+    stage 0: (2+2+K) psi; 1: 4 psi + K psi/dp; 2: 2 psi + (2+K) psi/dp; 3: (2+2+K) psi/dp.
+
+    Args:
+        master_copy: keep a 4-byte fp32 master copy (default: only in mixed precision).
+        grads_partitioned: gradients held as a 1/dp partition (default: stage >= 2).
+        offload_optimizer: optimizer states move to CPU memory, with the fp32 gradient
+            partition DeepSpeed's CPU Adam steps on (4 psi/dp) when gradients are partitioned.
+        offload_params: the ZeRO-3 parameter partitions move to CPU memory too.
+
+    Returns:
+        ``{"params", "grads", "optimizer", "cpu"}`` in bytes; ``cpu`` is this rank's CPU share.
+    """
+    p = DTYPE_BYTES[precision]
+    master = (p < FP32) if master_copy is None else master_copy
+    k = 8 + (FP32 if master else 0)
+    part_grads = stage >= 2 if grads_partitioned is None else grads_partitioned
+    out = {"params": p * psi / (dp if stage >= 3 else 1),
+           "grads": p * psi / (dp if part_grads else 1),
+           "optimizer": k * psi / (dp if stage >= 1 else 1), "cpu": 0.0}
+    if offload_optimizer:
+        out["cpu"] += out.pop("optimizer") + (FP32 * psi / dp if part_grads else 0.0)
+        out["optimizer"] = 0.0
+        if part_grads:
+            out["grads"] = 0.0
+    if offload_params:
+        out["cpu"] += out["params"]
+        out["params"] = 0.0
+    return out
+
+
+def deepspeed_state_rules(stage: int, precision: str, accumulation: int, zero: dict) -> dict:
+    """What DeepSpeed 0.19.8 keeps beyond the paper's accounting (measured by the tests).
+
+    - An fp32 master partition exists at every ZeRO stage >= 1 even for fp32 parameters:
+      ``stage_1_and_2.py:560`` clones the partition whatever its dtype, and ``stage3.py:1163``'s
+      no-copy branch compares a ``torch.device`` with a ``str``, so it never runs. Stage 0 with
+      fp32 hands the model's parameters to the torch optimizer (K = 8).
+    - ZeRO-1 reduces gradients bucket by bucket during backward at the accumulation boundary
+      (hooks of ``stage_1_and_2.py:713``, ``:2293``): with ``gradient_accumulation_steps`` 1 a
+      rank never holds more than its gradient partition plus a bucket; with more, the full
+      16-bit gradients live between micro-batches, as in the paper.
+    """
+    hooks = zero.get("contiguous_gradients", True) or zero.get("overlap_comm", stage == 3)
+    return {"master_copy": True if stage >= 1 else precision != "fp32",
+            "grads_partitioned": stage >= 2 or (stage == 1 and accumulation == 1 and bool(hooks))}
+
+
+def deepspeed_model_state_bytes(psi: float, dp: int, ds: dict) -> dict[str, float]:
+    """``model_state_bytes`` with the stage, precision, offload and DeepSpeed rules of a JSON."""
+    zero = ds.get("zero_optimization") or {}
+    stage, precision = int(zero.get("stage", 0)), precision_of(ds)
+    rules = deepspeed_state_rules(stage, precision, int(ds.get("gradient_accumulation_steps", 1)), zero)
+    return model_state_bytes(psi, dp, stage, precision, _offloaded(zero, "offload_optimizer"),
+                             _offloaded(zero, "offload_param"), **rules)
+
+
+def precision_of(ds: dict) -> str:
+    """"bf16", "fp16" or "fp32" from a DeepSpeed JSON."""
+    if (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled"):
+        return "bf16"
+    return "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32"
+
+
+def _offloaded(zero: dict, key: str) -> bool:
+    return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters per rank.
+
+def stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> range:
+    """Blocks of pipeline stage ``stage`` (contiguous, the first stages take any remainder)."""
+    base, extra = divmod(cfg.num_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
+    """Parameters one rank of pipeline stage ``stage`` holds before ZeRO partitioning.
+
+    TP shards query heads, kv heads (each rank keeps all kv heads when there are fewer than tp),
+    MLP and expert inner sizes, and the vocabulary; norms and the router are replicated. EP splits
+    the experts. Stage 0 holds the embedding; the last stage the final norm and the output head
+    (a tied head is a second copy there when pp > 1). ``largest_module`` is the biggest set of
+    parameters one module owns directly (what ZeRO-3 must gather at once).
+    """
+    h, hd, f, tp = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, layout.tp
+    kv_local = cfg.num_kv_heads // tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+    q = h * (cfg.num_heads // tp) * hd
+    attn = 2 * q + 2 * h * kv_local * hd + 2 * h                      # q, o, k, v, two norms
+    vocab = math.ceil(cfg.vocab_size / tp) * h
+    expert = other = 0
+    largest = q
+    for i in stage_layers(cfg, layout.pp, stage):
+        other += attn
+        if cfg.is_moe_layer(i):
+            experts = cfg.moe.num_experts // layout.ep * 3 * h * (f // tp)
+            expert += experts
+            other += cfg.moe.num_experts * h
+            largest = max(largest, experts)
+        else:
+            other += 3 * h * (f // tp)
+            largest = max(largest, h * (f // tp))
+    last = stage == layout.pp - 1
+    if stage == 0:
+        other += vocab
+    if last:
+        other += h + (vocab if not cfg.tie_embeddings or layout.pp > 1 else 0)
+    if stage == 0 or last:
+        largest = max(largest, vocab)
+    return {"expert": expert, "other": other, "total": expert + other, "largest_module": largest}
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: what autograd saves, tensor by tensor, as model/transformer.py and model/moe/* run.
+
+def norm_bytes(h: int, a: int) -> float:
+    """One RMSNorm per token: its fp32 input ``x.float()`` (4h; in fp32 the residual itself),
+    rsqrt (4), the normalized ``x`` that ``weight *`` saves (a h), and the product, the input
+    the next matmuls save (a h)."""
+    return FP32 * h + 2 * a * h + FP32
+
+
+def routed_rows(cfg: TransformerConfig, tokens: float) -> float:
+    """Rows the experts process for ``tokens`` tokens: k T dropless; with a capacity the
+    grouped GEMM is not padded, so at most min(k T, E * capacity)."""
+    moe = cfg.moe
+    rows = moe.top_k * tokens
+    cap = moe.capacity(max(1, int(tokens)), training=True)
+    return rows if cap is None else min(rows, moe.num_experts * cap)
+
+
+def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
+                      tp: int = 1, sp: bool = False) -> dict[str, float]:
+    """Bytes one block saves for backward, for ``tokens`` tokens on this rank.
+
+    Per token (checked tensor by tensor against ``saved_tensors_hooks`` in the tests):
+    - ``norm1``, ``norm2``: see ``norm_bytes``.
+    - ``attention``: q and k after RoPE (a h/tp, a kv hd), v (a kv hd), SDPA's output (a h/tp;
+      ``o_proj`` saves a view of it) and logsumexp (4 per local head), as flash/efficient SDPA
+      keep them; RoPE keeps only its shared (S, hd) tables.
+    - ``mlp``: gate output (silu's input), silu output, up output, their product: 4 a F/tp.
+    - MoE (fp32 router): ``router`` = input copy (4h, unless the model is fp32), logits and
+      probabilities (4E each), top-k indices (8k), top-k weights and their sum (4k + 4), the
+      z-loss logsumexp (4); per routed row (``routed_rows``): ``dispatch`` = token and slot
+      indices (16) and the permuted row (a h); ``experts`` = gate, silu, up, product (4 a F/tp);
+      ``combine`` = expert output (a h), combine weight (a), weighted output kept by
+      ``index_add_`` (a h).
+    TP shards heads and inner sizes; what it replicates (norms, router, dispatched rows) is split
+    by tp only under sequence parallelism.
+    """
+    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
+    rep = tp if sp else 1
+    heads = cfg.num_heads / tp
+    kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
+    kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+    out = {"norm1": tokens * norm_bytes(h, a) / rep, "norm2": tokens * norm_bytes(h, a) / rep,
+           "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads)}
+    if not cfg.is_moe_layer(layer):
+        out["mlp"] = tokens * 4 * a * f / tp
+        return out
+    moe, rows = cfg.moe, routed_rows(cfg, tokens)
+    e, k = moe.num_experts, moe.top_k
+    out["router"] = (tokens * ((FP32 * h if a != FP32 else 0) + 2 * FP32 * e + INT64 * k
+                               + FP32 * k + 2 * FP32) + (FP32 * e * h if a != FP32 else 0)) / rep
+    out["dispatch"] = rows * (2 * INT64 + a * h) / rep
+    out["experts"] = rows * 4 * a * f / tp
+    out["combine"] = rows * (2 * a * h + a) / rep
+    return out
+
+
+def head_activations(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1,
+                     sp: bool = False) -> dict[str, float]:
+    """Final norm, the output head's fp32 softmax kept by the cross-entropy (4 V/tp per token,
+    vocab-parallel under TP), and the token ids and labels (8 + 8)."""
+    rep = tp if sp else 1
+    return {"final_norm": tokens * norm_bytes(cfg.hidden_size, a) / rep,
+            "logits_fp32": tokens * FP32 * math.ceil(cfg.vocab_size / tp),
+            "token_ids": tokens * 2 * INT64}
+
+
+def logits_transient(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1) -> float:
+    """Not saved by autograd, but alive at the loss: the logits the model returns (a V/tp per
+    token, held by ``TransformerOutput``) and their fp32 gradient in backward (4 V/tp)."""
+    return tokens * (a + FP32) * math.ceil(cfg.vocab_size / tp)
+
+
+def checkpointed_blocks(cfg: TransformerConfig, policy: str) -> set[int]:
+    """Blocks recomputed whole, as ``Transformer.set_activation_checkpointing`` chooses them."""
+    if policy == "full":
+        return set(range(cfg.num_layers))
+    if policy.startswith("every_k:"):
+        return set(range(0, cfg.num_layers, int(policy.split(":", 1)[1])))
+    return set()
+
+
+def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, seq_len: int,
+                     a: int, policy: str = "none", stage: int = 0) -> dict:
+    """Activation bytes on one rank of pipeline stage ``stage`` at the peak of a step.
+
+    Tokens per rank: the ep ranks split each micro-batch (``zero_shard_group_size``), so a rank
+    sees ``micro_batch * seq_len / ep``. Under 1F1B stage s holds ``pp - s`` micro-batches in
+    flight (pp on stage 0). Checkpointed blocks keep only their input (a h per token) and
+    backward recomputes one block (or sub-layer) at a time for one micro-batch (``recompute``).
+    ``saved`` is what autograd holds at the end of a forward; ``total`` adds the recompute and
+    the transient logits.
+    """
+    tp, sp = layout.tp, layout.sp
+    tokens = micro_batch * seq_len / layout.ep
+    whole = checkpointed_blocks(cfg, policy)
+    block_input = tokens * a * cfg.hidden_size / (tp if sp else 1)
+    stored = recompute = 0.0
+    layers = stage_layers(cfg, layout.pp, stage)
+    by_kind = {}                                                       # MoE or dense block
+    for i in layers:
+        kind = cfg.is_moe_layer(i)
+        blk = by_kind.get(kind) or by_kind.setdefault(kind, block_activations(cfg, i, tokens, a, tp, sp))
+        full = sum(blk.values())
+        if i in whole:
+            redo = full
+        elif policy == "attention":
+            redo = blk["norm1"] + blk["attention"]
+        elif policy == "moe" and "router" in blk:
+            redo = blk["norm2"] + blk["router"] + blk["dispatch"] + blk["experts"] + blk["combine"]
+        else:
+            redo = 0.0
+        stored += full - redo + (block_input if redo else 0.0)
+        recompute = max(recompute, redo)
+    in_flight = layout.pp - stage
+    out = {"tokens_per_rank": tokens, "in_flight_micro_batches": in_flight,
+           "per_block": block_activations(cfg, layers[0], tokens, a, tp, sp),
+           "blocks": stored * in_flight, "recompute": recompute, "head": 0.0, "logits_transient": 0.0}
+    if stage == 0:
+        out["head"] += in_flight * tokens * INT64                      # the embedding's token ids
+    if stage == layout.pp - 1:                                         # labels, not the ids again
+        out["head"] += sum(head_activations(cfg, tokens, a, tp, sp).values()) - tokens * INT64
+        out["logits_transient"] = logits_transient(cfg, tokens, a, tp)
+    out["saved"] = out["blocks"] + out["head"]
+    out["total"] = out["saved"] + out["recompute"] + out["logits_transient"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Temporary buffers.
+
+def buffer_bytes(zero: dict, stage: int, a: int, psi_local: float, largest_module: float,
+                 dp: int, a2a_bytes: float = 0.0) -> dict[str, float]:
+    """Communication and staging buffers (bytes) next to the model states.
+
+    - ZeRO-1/2 with ``contiguous_gradients``: one ``reduce_bucket_size`` gradient bucket, two
+      with ``overlap_comm`` (``stage_1_and_2.py:3263-3278``). The post-step all-gather
+      (``allgather_bucket_size``) writes into the flat parameter buffer in place
+      (``runtime/utils.py`` ``all_gather_dp_groups``): nothing extra.
+    - ZeRO-3: the ``reduce_bucket_size`` bucket (``stage3.py:782``); gathered parameters, the
+      largest module plus the prefetch (``stage3_prefetch_bucket_size``, capped by
+      ``stage3_max_live_parameters``), and the full 16-bit gradient of that module before its
+      reduce-scatter (DeepSpeed's own estimator counts 4 bytes x largest layer for both).
+    - EP: the all-to-all send and receive buffers of one MoE layer, 2 k T h a.
+    - ``optimizer_step``: at the step, after the activations are freed: the fp32 copy of the
+      gradient partition (ZeRO-1/2 mixed precision, 4 psi/dp) or of one ``sub_group_size``
+      sub-group (ZeRO-3); none on the GPU when the optimizer is offloaded.
+    """
+    z = {**ZERO_DEFAULTS, **zero}
+    bucket = min(z["reduce_bucket_size"], psi_local) * a
+    out = {"reduce_bucket": 0.0, "zero3_gather": 0.0, "all_to_all": a2a_bytes, "optimizer_step": 0.0}
+    if stage in (1, 2) and z["contiguous_gradients"]:
+        out["reduce_bucket"] = bucket * (2 if z.get("overlap_comm", False) else 1)
+    if stage == 3:
+        prefetch = min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
+        out["reduce_bucket"] = bucket
+        out["zero3_gather"] = a * (2 * largest_module + min(prefetch, psi_local))
+        out["optimizer_step"] = FP32 * min(z["sub_group_size"], psi_local / dp)
+    elif stage in (1, 2) and a < FP32:
+        out["optimizer_step"] = FP32 * psi_local / dp
+    if _offloaded(z, "offload_optimizer"):       # the step runs on the CPU copy
+        out["optimizer_step"] = 0.0
+    return out

@@ -1,0 +1,207 @@
+"""launch/estimate_memory.py and launch/memory_model.py against three references:
+
+- the ZeRO paper's closed forms (formulas written out here, independently of the code);
+- the bytes DeepSpeed 0.19.8 actually holds per rank under ZeRO 1/2/3, bf16 and fp32, on 2 gloo
+  ranks (tests/launch/_measure_states.py: parameters or their ZeRO-3 partitions, gradient
+  partitions, fp32 master partitions and Adam's exp_avg/exp_avg_sq), within 5%;
+- the tensors autograd saves in ``model.Transformer`` (``saved_tensors_hooks``, distinct storages
+  still alive at the end of the forward, parameters excluded), within 15%;
+and the planner: it finds layouts for Mixtral 8x7B on 8x8 H100 and a dense 7B on 1x8, and the
+command it prints parses with ``launch.train.parse_args``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import estimate_memory as em
+from launch import memory_model as mm
+from launch.ds_config import load_ds_config
+from launch.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+GB = 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The ZeRO paper's closed forms.
+
+def paper_bytes(psi, nd, stage, k=12):
+    """arXiv:1910.02054 section 5 / Figure 1: (2 + 2 + K) psi, sharded stage by stage."""
+    return {0: (2 + 2 + k) * psi, 1: 2 * psi + 2 * psi + k * psi / nd,
+            2: 2 * psi + (2 + k) * psi / nd, 3: (2 + 2 + k) * psi / nd}[stage]
+
+
+def total(states):
+    return states["params"] + states["grads"] + states["optimizer"]
+
+
+def test_model_states_equal_the_zero_paper():
+    psi, nd = 7.5e9, 64
+    for stage, published_gb in ((0, 120), (1, 31.4), (2, 16.6), (3, 1.9)):
+        got = total(mm.model_state_bytes(psi, nd, stage, "bf16"))
+        assert got == pytest.approx(paper_bytes(psi, nd, stage), rel=1e-12)
+        assert round(got / GB, 1) == published_gb
+    # anchors.md 4.6, Mixtral 46.7B (derived): ZeRO-1/2/3 at N_d = 8 and 64.
+    for nd, expected in ((8, (256.9, 175.1, 93.4)), (64, (195.6, 103.6, 11.7))):
+        for stage, gb in zip((1, 2, 3), expected):
+            assert round(total(mm.model_state_bytes(46.7e9, nd, stage)) / GB, 1) == gb
+    # fp32 Adam: 4 (params) + 4 (grads) + 8 (momentum, variance), no master copy.
+    fp32 = {0: 16 * psi, 1: 8 * psi + 8 * psi / nd, 2: 4 * psi + 12 * psi / nd, 3: 16 * psi / nd}
+    for stage, expected in fp32.items():
+        assert total(mm.model_state_bytes(psi, nd, stage, "fp32")) == pytest.approx(expected, rel=1e-12)
+    # Offload: optimizer states (+ the fp32 gradient partition) to CPU; ZeRO-3 params too.
+    off = mm.model_state_bytes(psi, nd, 3, "bf16", offload_optimizer=True, offload_params=True)
+    assert (off["params"], off["grads"], off["optimizer"]) == (0, 0, 0)
+    assert off["cpu"] == pytest.approx((12 + 4 + 2) * psi / nd)   # DeepSpeed's estimator: 18 psi/N
+
+
+def test_estimator_reproduces_the_anchor_figures():
+    """Mixtral 8x7B, ZeRO-3 with EP1/TP1/PP1: 16 psi / N model states (anchors.md 4.6)."""
+    overrides = ["parallel.expert_parallel_size=1", "parallel.pipeline_parallel_size=1"]
+    recipe = load_recipe(REPO / "recipes" / "mixtral_8x7b.yaml", overrides)
+    ds = load_ds_config(str(REPO / "ds_configs" / "zero3.json"))
+    for gpus, gb in ((8, 93.4), (64, 11.7)):
+        est = em.estimate(recipe, ds, gpus)
+        assert round(est["worst"]["model_states"] / GB, 1) == gb
+    assert recipe.model.num_params() == 46_702_792_704
+    assert mm.local_params(recipe.model, mm.Layout(8))["total"] == recipe.model.num_params()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's per-rank tensors on 2 gloo ranks.
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def measured_states(tmp_path_factory):
+    out = tmp_path_factory.mktemp("states") / "states.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(_free_port()), str(REPO / "tests" / "launch" / "_measure_states.py"), str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # torchrun and its two workers, started above
+        log, _ = proc.communicate()
+    assert proc.returncode == 0 and out.is_file(), log[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero1_fp32", "zero2_fp32", "zero3_fp32"])
+def test_measured_model_states_match_the_estimate(measured_states, name):
+    row = measured_states[name]
+    ds = load_ds_config(str(REPO / "ds_configs" / f"{name}.json"))
+    ds["gradient_accumulation_steps"] = 1                  # as _measure_states.py runs it
+    recipe = load_recipe(REPO / "recipes" / "tiny_dense.yaml", [
+        "model.hidden_size=256", "model.ffn_hidden_size=512"])
+    psi = mm.local_params(recipe.model, mm.Layout(row["dp"]))["total"]
+    assert psi == row["psi"]
+    est = mm.deepspeed_model_state_bytes(psi, row["dp"], ds)
+    for key in ("params", "grads", "optimizer"):
+        assert row[key] == pytest.approx(est[key], rel=0.05), (key, row, est)
+    assert total(row) == pytest.approx(total(est), rel=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations autograd saves.
+
+def saved_activation_bytes(model, input_ids, labels) -> int:
+    """Bytes of distinct storages autograd saved during the forward and still holds at its end
+    (a graph that was detached, e.g. router entropy, is freed), parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, list] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), []).append((weakref.ref(t), storage.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids, labels)
+    alive = [v for v in seen.values() if any(ref() is not None for ref, _ in v)]
+    del out
+    return sum(max(n for _, n in v) for v in alive)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, above all on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("family", ["tiny_dense", "tiny_mixtral"])
+def test_activation_bytes_match_saved_tensors(family, policy, dtype, one_thread):
+    from model import Transformer
+    recipe = load_recipe(REPO / "recipes" / f"{family}.yaml")
+    cfg, batch, seq = recipe.model, 4, recipe.seq_len
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype).train()
+    model.set_activation_checkpointing(policy)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    labels = torch.randint(0, cfg.vocab_size, (batch, seq))
+    measured = saved_activation_bytes(model, ids, labels)
+    a = 4 if dtype == torch.float32 else 2
+    est = mm.activation_bytes(cfg, mm.Layout(1), batch, seq, a, policy)
+    assert est["saved"] == pytest.approx(measured, rel=0.15)
+    if policy == "full":   # backward recomputes one block: its no-checkpointing bytes
+        assert est["recompute"] == pytest.approx(sum(est["per_block"].values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI and planner.
+
+def test_cli_estimate_json_and_errors(capsys):
+    args = ["--recipe", "recipes/mixtral_8x7b.yaml", "--config", "ds_configs/zero1.json"]
+    assert em.main(args + ["--gpus", "64", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert (est["tp"], est["ep"], est["pp"], est["zero_dp"]) == (1, 8, 4, 2)
+    assert est["fits"] and {st["stage"] for st in est["stages"]} == {0, 3}
+    # The recipe's layout needs 32 GPUs per replica: a one-line error, exit code 2.
+    assert em.main(args + ["--gpus", "8"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe,nodes", [("recipes/mixtral_8x7b.yaml", 8), ("recipes/dense_7b.yaml", 1)])
+def test_planner_finds_a_layout_and_prints_a_valid_command(recipe, nodes, capsys):
+    from launch.train import parse_args
+    argv = ["--plan", "--recipe", recipe, "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu", "h100-80gb"]
+    assert em.main(argv + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["fitting"] >= 1
+    assert all(row["gpu_total"] <= 80 * GB * (1 - em.RESERVE_FRACTION) for row in result["layouts"])
+    best = result["layouts"][0]
+    # The command as printed by the table view (the same string as result["command"]).
+    lines = em.format_plan(result, result["command"], "").splitlines()
+    command = shlex.split(next(line for line in lines if line.startswith("deepspeed ")))
+    assert command[:5] == ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", "8"]
+    args = parse_args(command[command.index("launch/train.py") + 1:])
+    assert args.recipe == recipe and args.config == best["config"] and (REPO / args.config).is_file()
+    parsed = load_recipe(args.recipe, args.set)           # the --set overrides are valid keys
+    assert (parsed.parallel.tensor_parallel_size, parsed.parallel.expert_parallel_size,
+            parsed.parallel.pipeline_parallel_size) == (best["tp"], best["ep"], best["pp"])
+    assert parsed.train.activation_checkpointing == best["activation_checkpointing"]
