@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole GPU check in one short run (DESIGN.md section 7), for a one-H200 session of minutes:
+#   1. the GPU-marked tests;
+#   2. 40 bf16 steps of recipes/dense_1p3b.yaml and of recipes/gpu_mixtral_1b_active.yaml (same
+#      active FLOPs per token) on one GPU: tokens/s, MFU, peak memory, next to the estimator;
+#   3. the MoE layer benchmark against transformers (bf16, cuda);
+#   4. 30 fp16 steps with dynamic loss scaling (ds_configs/fp16.json);
+#   5. an NCCL all-reduce/all-to-all check on the GPU (one rank per GPU present).
+# Figures go to $OUT/gpu_figures.md (copy them into docs/PERFORMANCE.md with the date and GPU).
+# Needs a Python with a CUDA torch, deepspeed and requirements.txt installed (the device machine
+# cannot reach a package index: carry an environment, or pip install from a carried wheel dir).
+# Usage: OUT=out bash benchmarks/gpu_suite.sh [STEPS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; STEPS=${1:-40}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true WANDB_MODE=disabled
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+for recipe in dense_1p3b gpu_mixtral_1b_active; do
+  python launch/train.py --config ds_configs/zero1.json --recipe "recipes/$recipe.yaml" \
+    --steps "$STEPS" --run-dir "$OUT/runs/$recipe" --set train.log_every=10 eval.every=0 \
+    2>&1 | grep -v Warning | tail -6
+  python launch/estimate_memory.py --recipe "recipes/$recipe.yaml" --config ds_configs/zero1.json \
+    --gpus 1 --gpu h200-141gb --json > "$OUT/runs/$recipe/estimate.json"
+done
+python benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$OUT/moe_layer.json" | tee "$OUT/moe_layer.md"
+python launch/train.py --config ds_configs/fp16.json --steps 30 --run-dir "$OUT/runs/fp16" \
+  --set train.log_every=10 eval.every=0 2>&1 | grep -v Warning | tail -4
+python -m torch.distributed.run --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/nccl_check.py \
+  | tee "$OUT/nccl.txt"
+python benchmarks/gpu_figures.py "$OUT" | tee "$OUT/gpu_figures.md"
