@@ -84,12 +84,15 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, g)
+        self.tp_group = g.tp_group
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)     # (B, nh, S, hd)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, S, hd)
+        x = comm.copy_to_region(x, self.tp_group)     # one gradient all-reduce for q, k and v
+        q, k, v = (proj(x, input_copied=True) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
+        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
         if self.kv_select is not None:    # fewer kv heads than tp ranks: use ours
             k = k[:, self.kv_select:self.kv_select + 1]
             v = v[:, self.kv_select:self.kv_select + 1]
@@ -109,9 +112,12 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, groups)
+        self.tp_group = (groups or ParallelGroups()).tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = comm.copy_to_region(x, self.tp_group)     # one gradient all-reduce for gate and up
+        gate, up = self.gate_proj(x, input_copied=True), self.up_proj(x, input_copied=True)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -132,6 +138,12 @@ class Block(nn.Module):
         self.checkpoint_attention = False
         self.checkpoint_ffn = False
 
+    def set_checkpointing(self, policy: str) -> None:
+        """Recompute a sub-layer in backward under the ``attention`` and ``moe`` policies (the
+        whole-block policies are applied by the caller, see ``blocks_to_checkpoint``)."""
+        self.checkpoint_attention = policy == "attention"
+        self.checkpoint_ffn = policy == "moe" and self.is_moe
+
     def _attention(self, x, rope):
         return self.self_attn(self.input_layernorm(x), rope)
 
@@ -150,6 +162,37 @@ class Block(nn.Module):
         else:
             y, aux = self._ffn(x)
         return x + y, aux
+
+
+def blocks_to_checkpoint(policy: str, num_layers: int) -> set[int]:
+    """The blocks an activation-checkpointing ``policy`` recomputes whole (see
+    ``Transformer.set_activation_checkpointing``); raises ValueError on an unknown policy."""
+    full = set(range(num_layers)) if policy == "full" else set()
+    if policy.startswith("every_k:"):
+        full = set(range(0, num_layers, int(policy.split(":", 1)[1])))
+    elif policy not in ("none", "full", "attention", "moe"):
+        raise ValueError(f"train.activation_checkpointing ({policy!r}) must be none, full, "
+                         f"attention, moe or every_k:<k>")
+    return full
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int) -> None:
+    """Normal(0, init_std) for every matrix; residual-output projections scaled by
+    1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
+    with depth; norms at one. Each full tensor is drawn from (seed, name) and this rank keeps
+    its shard, so every layout starts from the same model; ``module`` may be any part of the
+    model whose parameter names are the Transformer's (e.g. a pipeline stage's layer)."""
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.num_layers)
+
+    def std_for(name: str) -> float | None:
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            return out_std
+        return std
+    init_from_full(module, std_for, seed)
 
 
 @dataclass
@@ -200,34 +243,14 @@ class Transformer(nn.Module):
         sub-layer of every block); ``moe`` (the MoE FFN sub-layers); ``every_k:<k>`` (blocks 0, k,
         2k, ... whole).
         """
-        n = self.cfg.num_layers
-        full = set(range(n)) if policy == "full" else set()
-        if policy.startswith("every_k:"):
-            full = set(range(0, n, int(policy.split(":", 1)[1])))
-        elif policy not in ("none", "full", "attention", "moe"):
-            raise ValueError(f"train.activation_checkpointing ({policy!r}) must be none, full, "
-                             f"attention, moe or every_k:<k>")
-        self.checkpoint_blocks = full
+        self.checkpoint_blocks = blocks_to_checkpoint(policy, self.cfg.num_layers)
         for layer in self.layers:
-            layer.checkpoint_attention = policy == "attention"
-            layer.checkpoint_ffn = policy == "moe" and layer.is_moe
+            layer.set_checkpointing(policy)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Normal(0, init_std) for every matrix; residual-output projections scaled by
-        1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
-        with depth; norms at one. Each full tensor is drawn from (seed, name) and this rank keeps
-        its shard, so every layout starts from the same model."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-
-        def std_for(name: str) -> float | None:
-            if name.endswith("norm.weight"):
-                return None
-            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                return out_std
-            return std
-        init_from_full(self, std_for, seed)
+        """See ``init_weights``: every layout starts from the same model."""
+        init_weights(self, self.cfg, seed)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),

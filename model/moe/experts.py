@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.parallel import comm
 from model.parallel.groups import ParallelGroups, local_experts
 from model.parallel.layers import even_slice, shard_param
 
@@ -58,7 +57,8 @@ class GroupedExperts(nn.Module):
 
     Under expert parallelism this rank holds only its experts (``local_experts``), under tensor
     parallelism a 1/tp slice of each expert's inner dimension: the input is replicated over tp and
-    the partial outputs are summed there, as in a column- then row-parallel MLP.
+    the outputs are partial sums, as in a column- then row-parallel MLP; ``MoELayer`` sums them over
+    tp after the combine, on T tokens instead of k*T rows.
 
     Args:
         num_experts: E, all experts of the layer.
@@ -86,9 +86,9 @@ class GroupedExperts(nn.Module):
             setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)], sharded))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """(N, H) rows grouped by local expert -> (N, H)."""
-        x = comm.copy_to_region(x, self.groups.tp_group)
+        """(N, H) rows grouped by local expert -> (N, H) partial sums over tp: the caller passes
+        the input through ``copy_to_region`` and sums the output over tp (``MoELayer`` does both
+        on the T tokens rather than on the k*T rows)."""
         gate = grouped_mm(x, self.gate_proj, tokens_per_expert)     # (N, I/tp)
         up = grouped_mm(x, self.up_proj, tokens_per_expert)         # (N, I/tp)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)   # (N, H) partial
-        return comm.reduce_from_region(y, self.groups.tp_group)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)   # (N, H) partial

@@ -80,12 +80,18 @@ class MoELayer(nn.Module):
         capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
         # Plan in rank order of experts (the identity without expert parallelism).
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
-        rows = dispatcher.permute(x, plan)                                  # (N, H) by expert position
+        tp_group = self.groups.tp_group
+        # Under tp the experts see this rank's slice of their inner dim: copy the T tokens in and
+        # sum the T combined tokens out (not the k*T rows). The combine weights then multiply
+        # partial outputs, so their (T, k) gradient is summed over tp too.
+        rows = dispatcher.permute(comm.copy_to_region(x, tp_group), plan)   # (N, H) by expert position
         if ep > 1:
             y = self._exchange(rows, plan.tokens_per_expert)
         else:
-            y = self.experts(rows, plan.tokens_per_expert)                  # (N, H)
-        out = dispatcher.unpermute(y, routing.weights, plan, num_tokens)    # (T, H)
+            y = self.experts(rows, plan.tokens_per_expert)                  # (N, H) partial over tp
+        weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
+        out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
+        out = comm.reduce_from_region(out, tp_group)
 
         routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id
         routed_all = comm.all_reduce_sum(routed.clone(), self.groups.ep_group)

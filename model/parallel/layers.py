@@ -93,8 +93,11 @@ class ColumnParallelLinear(nn.Module):
         sharded = ("tp",) if len(out_index) < out_features else ()
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_region(x, self.groups.tp_group)
+    def forward(self, x: torch.Tensor, input_copied: bool = False) -> torch.Tensor:
+        """``input_copied``: the caller already passed ``x`` through ``copy_to_region`` (several
+        column-parallel layers reading one input then share one gradient all-reduce)."""
+        if not input_copied:
+            x = comm.copy_to_region(x, self.groups.tp_group)
         weight = comm.sync_grad(self.weight, self.groups.ep_group)
         if self.replicated_over_tp:
             weight = comm.sync_grad(weight, self.groups.tp_group)

@@ -1,0 +1,536 @@
+"""Every collective of one forward+backward, counted and compared with the analytic minimum.
+
+Hardware: any CPU; 2 gloo ranks on 127.0.0.1 (about 15 s on 2 cores with the defaults).
+Launch:   python benchmarks/comm_volume.py                                  # defaults below
+          python benchmarks/comm_volume.py --batch 8 --seq 64 --hidden 128 --json comm.json
+
+Layouts: TP2 dense (kv heads >= tp), TP2 dense with 1 kv head (replicated over tp), TP2 Mixtral and
+EP2 Mixtral (dropless, top-2); scopes: one transformer block (input requiring grad, as inside a
+model) and a whole ``--layers``-layer model with its loss. While a step runs, the
+``torch.distributed`` collectives that ``model/parallel/`` calls are wrapped to record (op, phase,
+elements, bytes), and the ``comm`` helpers are wrapped only to name the call site (module, and for
+the expert exchange dispatch or combine); nothing else changes.
+
+Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
+
+* TP (Megatron): per block one all-reduce of b*s*h forward after o_proj and one after the FFN's
+  down projection, and one backward each for the gradients entering q/k/v and gate/up; at model
+  scope also the vocab-parallel embedding (forward), the output head's input gradient (backward)
+  and the cross-entropy statistics (max, then target logit + sum of exponentials: 3*b*s).
+* EP: dispatch and combine each move exactly the routed rows (sum of tokens_per_expert * h over
+  the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
+  reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
+  load-balancing loss (E integers).
+* ``sync_grad`` all-reduces (replicated parameters) are per parameter, not per token: reported
+  against "each replicated parameter once per backward", outside the check.
+
+The script exits 1 when any per-token row exceeds its minimum (EP rows: differ from it), or when a
+collective is issued that no row explains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from model import DenseConfig, MixtralConfig, Transformer  # noqa: E402
+from model.config import MoEConfig  # noqa: E402
+from model.parallel import comm  # noqa: E402
+from model.parallel.groups import build_groups  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+
+# torch.distributed functions that move data; whichever exist in this torch are wrapped.
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
+               "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+               "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+# model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
+HELPERS = ("copy_to_region", "reduce_from_region", "gather_last_dim", "all_to_all", "sync_grad",
+           "all_to_all_counts", "all_reduce_sum", "all_reduce_max")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Problem sizes; ``batch`` is the micro-batch over all ep ranks (each takes batch/ep)."""
+
+    batch: int = 4
+    seq: int = 16
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    ffn: int = 128
+    vocab: int = 128
+    experts: int = 4
+    top_k: int = 2
+    layers: int = 2
+    tie_embeddings: bool = False
+    activation_checkpointing: str = "none"   # Transformer.set_activation_checkpointing policy
+
+
+# name, tp, ep, family, kv heads (None: Sizes.kv_heads)
+LAYOUTS = (("tp2/dense", 2, 1, "dense", None), ("tp2/dense-kv1", 2, 1, "dense", 1),
+           ("tp2/mixtral", 2, 1, "mixtral", None), ("ep2/mixtral", 1, 2, "mixtral", None))
+
+
+def _config(family: str, s: Sizes, kv_heads: int | None, layers: int):
+    common = dict(vocab_size=s.vocab, hidden_size=s.hidden, num_layers=layers, num_heads=s.heads,
+                  num_kv_heads=kv_heads or s.kv_heads, ffn_hidden_size=s.ffn, max_seq_len=s.seq,
+                  tie_embeddings=s.tie_embeddings, init_std=0.2)
+    if family == "dense":
+        return DenseConfig(**common).validate()
+    moe = MoEConfig(num_experts=s.experts, top_k=s.top_k, capacity_factor=None,
+                    eval_capacity_factor=None, router_jitter=0.0)
+    return MixtralConfig(**common, moe=moe).validate()
+
+
+# ------------------------------------------------------------------------------ the recorder
+
+class CommRecorder:
+    """Context manager: records every collective issued on this rank while it is active.
+
+    Each record: op, phase (set by the caller), group name, elements this rank sends (for an
+    all-reduce, the reduced tensor), of which to other ranks (all-to-all), bytes, the issuing
+    module and comm helper, and for ``sync_grad`` the parameter.
+    """
+
+    def __init__(self, model: torch.nn.Module, groups):
+        self.model, self.groups = model, groups
+        self.phase = "forward"
+        self.records: list[dict] = []
+        self._params = {id(p): n for n, p in model.named_parameters()}
+        self._modules: list[str] = []         # forward call stack of module names
+        self._labels: list[dict] = []         # comm helper being run (forward)
+        self._pending: dict | None = None     # label of the backward node about to run
+        self._a2a_calls: dict[str, int] = defaultdict(int)
+        self._saved: list[tuple] = []
+        self._hooks: list = []
+        self._busy = False
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self._patch(dist, name, self._collective(name, getattr(dist, name)))
+        for name in HELPERS:
+            self._patch(comm, name, self._helper(name, getattr(comm, name)))
+        for name, m in self.model.named_modules():
+            self._hooks.append(m.register_forward_pre_hook(self._enter_module(name or "model")))
+            self._hooks.append(m.register_forward_hook(self._leave_module))
+        return self
+
+    def _enter_module(self, name):
+        def hook(_module, _inputs):
+            self._modules.append(name)
+        return hook
+
+    def _leave_module(self, _module, _inputs, _output):
+        self._modules.pop()
+
+    def __exit__(self, *exc):
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        for h in self._hooks:
+            h.remove()
+        return False
+
+    def _patch(self, owner, name, fn):
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fn)
+
+    def _helper(self, kind, fn):
+        def wrapper(x, *args, **kwargs):
+            if self._labels:     # nested (sync_grad -> copy_to_region): the outer call names it
+                return fn(x, *args, **kwargs)
+            module = self._modules[-1] if self._modules else ""
+            if kind == "all_to_all":      # _exchange's 1st call dispatches, its 2nd combines
+                kind_ = ("all_to_all:dispatch", "all_to_all:combine")[self._a2a_calls[module] % 2]
+                self._a2a_calls[module] += 1
+            else:
+                kind_ = kind
+            label = dict(kind=kind_, module=module, param=self._params.get(id(x), ""))
+            self._labels.append(label)
+            try:
+                out = fn(x, *args, **kwargs)
+            finally:
+                self._labels.pop()
+            if (kind in ("copy_to_region", "sync_grad", "all_to_all") and isinstance(out, torch.Tensor)
+                    and out is not x and out.grad_fn is not None):
+                # The node's backward issues the conjugate collective: name it the same.
+                out.grad_fn.register_prehook(lambda grads, label=label: self._set_pending(label))
+            return out
+        return wrapper
+
+    def _set_pending(self, label):
+        self._pending = label
+
+    def _collective(self, op, fn):
+        signature = inspect.signature(fn)
+
+        def wrapper(*args, **kwargs):
+            if self._busy:       # a collective built on another: count the outer one only
+                return fn(*args, **kwargs)
+            self._busy = True
+            try:
+                self._record(op, signature.bind(*args, **kwargs).arguments)
+                return fn(*args, **kwargs)
+            finally:
+                self._busy = False
+        return wrapper
+
+    def _record(self, op, a):
+        group = a.get("group")
+        tensor = _sent_tensors(op, a)
+        elements = sum(t.numel() for t in tensor)
+        off_rank = elements
+        if op == "all_to_all_single":      # rows addressed to this rank never leave it
+            me, size = dist.get_rank(group), dist.get_world_size(group)
+            splits = a.get("input_split_sizes") or [tensor[0].shape[0] // size] * size
+            off_rank = elements - splits[me] * (elements // max(1, tensor[0].shape[0]))
+        label = self._labels[-1] if self._labels else (self._pending or {})
+        self._pending = None
+        self.records.append(dict(
+            op=op, phase=self.phase, group=self._group_name(group),
+            group_size=dist.get_world_size(group), elements=elements, off_rank=off_rank,
+            bytes=sum(t.numel() * t.element_size() for t in tensor),
+            shape=list(tensor[0].shape) if tensor else [], kind=label.get("kind", ""),
+            module=label.get("module", self._modules[-1] if self._modules else ""),
+            param=label.get("param", ""), site=_model_frame()))
+
+    def _group_name(self, group) -> str:
+        for name in ("tp", "ep", "mp", "dp", "batch", "pp"):
+            if group is not None and group is getattr(self.groups, f"{name}_group"):
+                return name
+        return "world" if group is None else "other"
+
+
+def _sent_tensors(op, a) -> list[torch.Tensor]:
+    """The tensors whose contents this rank contributes to collective ``op``."""
+    if op in ("all_to_all_single", "reduce_scatter_tensor"):
+        return [a["input"]]
+    if op in ("all_to_all", "reduce_scatter"):
+        return list(a["input_list"] if "input_list" in a else a["input_tensor_list"])
+    if op in ("all_gather", "all_gather_into_tensor"):
+        return [a.get("tensor", a.get("input_tensor"))]
+    if op in ("scatter",):
+        return list(a.get("scatter_list") or [])
+    return [a["tensor"]]
+
+
+def _model_frame() -> str:
+    """Qualified name of the innermost model/ function on the stack (the issuing code)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f"{os.sep}model{os.sep}" in f.f_code.co_filename:
+            return f.f_code.co_qualname
+        f = f.f_back
+    return ""
+
+
+# ------------------------------------------------------------------------------ the ranks
+
+def count_collectives(rank: int, world: int, sizes: Sizes, out_path: str,
+                      layouts: tuple[str, ...] | None = None) -> None:
+    """Rank body: measure each layout (all of ``LAYOUTS`` by default) at both scopes, gather the
+    records on rank 0 and write them to ``out_path`` as JSON."""
+    results = []
+    for name, tp, ep, family, kv in LAYOUTS:
+        if layouts is not None and name not in layouts:
+            continue
+        groups = build_groups(tp=tp, ep=ep)
+        for scope in ("block", "model"):
+            cfg = _config(family, sizes, kv, 1 if scope == "block" else sizes.layers)
+            results.append(dict(layout=name, scope=scope, tp=tp, ep=ep,
+                                **_measure(cfg, groups, scope, sizes)))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(dict(sizes=dataclasses.asdict(sizes), ranks=gathered), f)
+
+
+def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
+    model = Transformer(cfg, groups, init_seed=0).train()
+    if s.activation_checkpointing != "none":
+        model.set_activation_checkpointing(s.activation_checkpointing)
+    gen = torch.Generator().manual_seed(1)          # same ids on every rank
+    ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=gen)
+    labels = torch.randint(0, s.vocab, (s.batch, s.seq), generator=gen)
+    # One block: ep ranks see different tokens (their slice of the micro-batch), tp ranks the same.
+    gen_x = torch.Generator().manual_seed(100 + groups.ep_rank)
+    x = torch.randn(s.batch // groups.ep, s.seq, s.hidden, generator=gen_x).requires_grad_()
+    dy = torch.randn(x.shape, generator=gen_x)
+    with CommRecorder(model, groups) as rec:
+        if scope == "block":
+            rope = model.rotary(s.seq, x.device, x.dtype)
+            if 0 in getattr(model, "checkpoint_blocks", ()):   # as Transformer.forward would
+                y, aux = torch.utils.checkpoint.checkpoint(model.layers[0], x, rope, use_reentrant=False)
+            else:
+                y, aux = model.layers[0](x, rope)
+            auxes = [aux] if aux is not None else []
+            loss = (y * dy).sum() + sum(cfg.moe.aux_loss_coef * a.aux_loss for a in auxes)
+        else:
+            out = model(ids, labels)
+            auxes = out.moe_aux
+            loss = out.ce_sum / out.num_target_tokens + model.router_loss(out)
+        rec.phase = "backward"
+        loss.backward()
+    moe_layers = [f"layers.{i}.mlp" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    used = [(n, p) for n, p in model.named_parameters() if scope == "model" or n.startswith("layers.0.")]
+    replicated_over = defaultdict(list)       # group -> numel of each parameter sync_grad must sum
+    for n, p in used:
+        if groups.ep > 1 and ".experts." not in n:
+            replicated_over["ep"].append(p.numel())
+    for n, m in model.named_modules():
+        if getattr(m, "replicated_over_tp", False) and (scope == "model" or n.startswith("layers.0.")):
+            replicated_over["tp"].append(m.weight.numel())
+    return dict(records=rec.records, replicated_over=dict(replicated_over),
+                routing=[dict(module=m, tokens_per_expert=a.tokens_per_expert.tolist(),
+                              local_experts=model.get_submodule(m).experts.expert_ids)
+                         for m, a in zip(moe_layers, auxes)])
+
+
+# ------------------------------------------------------------------------------ analysis
+
+@dataclass
+class Row:
+    """One line of the table: a kind of traffic in one phase of one layout and scope."""
+
+    layout: str
+    scope: str
+    traffic: str
+    op: str
+    phase: str
+    count: int                  # calls per rank
+    elements: int               # all-reduce: tensor per rank; all-to-all: sent, summed over ranks
+    bytes: int
+    off_rank: int | None = None     # all-to-all: elements that left their rank
+    minimum: int | None = None
+    minimum_off: int | None = None
+    formula: str = ""
+    per_token: bool = True
+    where: str = ""
+    ok: bool = True
+    note: str = ""
+
+
+def _traffic(rec: dict, h: int) -> tuple[str, bool]:
+    """(what this collective is for, whether its volume scales with tokens)."""
+    kind, mod = rec["kind"], re.sub(r"^layers\.\d+\.", "", rec["module"])
+    hidden = bool(rec["shape"]) and rec["shape"][-1] == h
+    if kind == "sync_grad":
+        return f"replicated-parameter grads (sync_grad over {rec['group']})", False
+    if kind.startswith("all_to_all:"):
+        return f"MoE {kind.split(':')[1]} (all-to-all)", True
+    if kind == "all_to_all_counts":
+        return "MoE count exchange", True
+    if kind == "all_reduce_sum" and mod.startswith("mlp"):
+        return "MoE routed counts (load-balancing loss)", True
+    if mod.startswith("self_attn") and hidden:
+        return "attention in/out (TP)", True
+    if mod.startswith("mlp") and hidden:
+        return "FFN in/out (TP)", True
+    if mod.startswith("mlp") and kind == "copy_to_region":
+        return "routing-weight grad (TP)", True
+    if mod in ("embed_tokens", "lm_head") and hidden:
+        return "embedding / output head (vocab-parallel)", True
+    if rec["site"].startswith("_VocabParallelCE"):
+        return "cross-entropy statistics (vocab-parallel)", True
+    return f"unexplained: {kind or rec['site'] or rec['op']} @ {mod or '?'}", True
+
+
+def _routing_expectations(result: dict, h: int) -> dict:
+    """Per (MoE module, label, phase): elements each rank must send, and of them off-rank."""
+    ranks = result["ranks"]
+    out = {}
+    for li, layer in enumerate(ranks[0]["routing"]):
+        tpe = [r["routing"][li]["tokens_per_expert"] for r in ranks]        # per source rank
+        local = [set(r["routing"][li]["local_experts"]) for r in ranks]
+        routed = [sum(t) for t in tpe]
+        routed_off = [sum(c for e, c in enumerate(tpe[r]) if e not in local[r]) for r in range(len(ranks))]
+        received = [sum(tpe[s][e] for s in range(len(ranks)) for e in local[r]) for r in range(len(ranks))]
+        received_off = [sum(tpe[s][e] for s in range(len(ranks)) if s != r for e in local[r])
+                        for r in range(len(ranks))]
+        send = {("dispatch", "forward"): (routed, routed_off), ("combine", "backward"): (routed, routed_off),
+                ("combine", "forward"): (received, received_off), ("dispatch", "backward"): (received, received_off)}
+        for key, (rows, off) in send.items():
+            out[(layer["module"],) + key] = ([r * h for r in rows], [r * h for r in off])
+        out[(layer["module"], "max_load")] = max(max(sum(tpe[s][e] for s in range(len(ranks)))
+                                                     for e in loc) for loc in local)
+    return out
+
+
+def analyse(data: dict) -> list[Row]:
+    """Rows of the table for every layout and scope in ``data`` (``count_collectives`` output)."""
+    s, rows = Sizes(**data["sizes"]), []
+    for i, head in enumerate(data["ranks"][0]):
+        rows += _analyse_one(dict(head, ranks=[r[i] for r in data["ranks"]]), s)
+    return rows
+
+
+def _analyse_one(result: dict, s: Sizes) -> list[Row]:
+    h, world = s.hidden, len(result["ranks"])
+    ctx = dict(layers=1 if result["scope"] == "block" else s.layers, ep=result["ep"],
+               T=s.batch * s.seq // result["ep"],               # tokens one rank computes
+               moe=len(result["ranks"][0]["routing"]),           # MoE layers in scope
+               expect=_routing_expectations(result, h),
+               replicated=result["ranks"][0]["replicated_over"])
+    groups: dict[tuple, list] = defaultdict(lambda: [[] for _ in range(world)])
+    for r, rank in enumerate(result["ranks"]):
+        for rec in rank["records"]:
+            traffic, per_token = _traffic(rec, h)
+            groups[(traffic, rec["op"], rec["phase"], per_token)][r].append(rec)
+    rows = []
+    for (traffic, op, phase, per_token), by_rank in groups.items():
+        reduce_like = op != "all_to_all_single"
+        first = by_rank[0]
+        row = Row(result["layout"], result["scope"], traffic, op, phase, count=len(first),
+                  elements=sum(x["elements"] for x in first) if reduce_like else
+                  sum(x["elements"] for recs in by_rank for x in recs),
+                  bytes=sum(x["bytes"] for x in first) if reduce_like else
+                  sum(x["bytes"] for recs in by_rank for x in recs),
+                  per_token=per_token,
+                  where=", ".join(sorted({re.sub(r"^layers\.\d+\.", "", x["param"] or (
+                      x["site"] if x["kind"] == "" else x["module"])) for x in first})))
+        if any(len(recs) != row.count for recs in by_rank):
+            row.ok, row.note = False, "ranks issued different counts"
+        if not reduce_like:
+            row.off_rank = sum(x["off_rank"] for recs in by_rank for x in recs)
+        _set_minimum(row, by_rank, s, ctx)
+        rows.append(row)
+    order = ("attention", "FFN", "routing", "embedding", "cross", "MoE dispatch", "MoE combine",
+             "MoE count", "MoE routed", "replicated", "unexplained")
+    rows.sort(key=lambda r: (next(i for i, p in enumerate(order) if r.traffic.startswith(p)),
+                             r.phase != "forward"))
+    return rows
+
+
+def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> None:
+    """Fill the row's analytic minimum and check the measurement against it."""
+    t, h, T, layers, moe, ep = row.traffic, s.hidden, ctx["T"], ctx["layers"], ctx["moe"], ctx["ep"]
+    if t.startswith(("attention", "FFN")):
+        row.minimum, row.formula = layers * T * h, f"{layers}·b·s·h"
+    elif t.startswith("routing-weight"):
+        row.minimum, row.formula = moe * T * s.top_k, f"{moe}·b·s·k"
+    elif t.startswith("embedding"):
+        row.minimum, row.formula = T * h, "b·s·h"
+    elif t.startswith("cross-entropy"):
+        row.minimum, row.formula = 3 * T, "3·b·s (max; target+sum-exp)"
+    elif t.startswith("MoE count"):
+        row.minimum, row.formula = moe * ep * s.experts, f"{moe}·ep·E (E ints per rank)"
+    elif t.startswith("MoE routed"):
+        row.minimum, row.formula = moe * s.experts, f"{moe}·E"
+    elif t.startswith("replicated"):
+        sizes = ctx["replicated"].get(t.split("over ")[1].rstrip(")"), [])
+        row.minimum, row.formula = sum(sizes), f"{len(sizes)} params once"
+        if row.count > len(sizes):
+            row.note = f"{row.count} calls for {len(sizes)} replicated parameters"
+    elif t.startswith(("MoE dispatch", "MoE combine")):
+        label, expect = t.split()[1], ctx["expect"]
+        row.formula = f"routed rows·h = {moe}·k·T·h"
+        want, want_off = [0] * len(by_rank), [0] * len(by_rank)
+        for r, recs in enumerate(by_rank):
+            for module in {x["module"] for x in recs}:
+                rows_, off = expect[(module, label, row.phase)]
+                want[r] += rows_[r]
+                want_off[r] += off[r]
+            got = sum(x["elements"] for x in recs)
+            if got != want[r]:
+                row.ok, row.note = False, f"rank {r} sent {got}, routed {want[r]}"
+        row.minimum, row.minimum_off = sum(want), sum(want_off)
+        total_T = s.batch * s.seq
+        if row.minimum != moe * s.top_k * total_T * h or row.off_rank != row.minimum_off:
+            row.ok, row.note = False, row.note or "differs from k·T·h / routed off-rank rows"
+        pad = sum(s.experts * expect[(m, "max_load")] * h for m in {x["module"] for x in by_rank[0]})
+        row.note = row.note or f"padding every expert to the busiest: {pad}"
+    else:
+        row.ok, row.note = False, "no collective is expected here"
+        return
+    if row.per_token and row.elements > row.minimum:
+        row.ok = False
+
+
+def markdown(rows: list[Row]) -> str:
+    head = ("| layout | scope | traffic | op | phase | count | elements measured | bytes "
+            "| analytic minimum | ratio | issued by | note |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        meas = f"{r.elements}" + (f" (off-rank {r.off_rank})" if r.off_rank is not None else "")
+        mini = "-" if r.minimum is None else f"{r.minimum} = {r.formula}" + (
+            f" (off-rank {r.minimum_off})" if r.minimum_off is not None else "")
+        ratio = "-" if not r.minimum else f"{r.elements / r.minimum:.2f}"
+        flag = "" if r.ok or not r.per_token else " **EXCEEDS**"
+        lines.append(f"| {r.layout} | {r.scope} | {r.traffic} | {r.op} | {r.phase} | {r.count} | "
+                     f"{meas} | {r.bytes} | {mini} | {ratio}{flag} | {r.where} | {r.note} |")
+    return "\n".join(lines)
+
+
+def run(sizes: Sizes, layouts: tuple[str, ...] | None = None) -> dict:
+    """Spawn 2 gloo ranks, count, and return the gathered records."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "records.json")
+        run_ranks(count_collectives, 2, sizes, path, layouts, timeout=600.0)
+        with open(path) as f:
+            return json.load(f)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for f in dataclasses.fields(Sizes):
+        if f.type in (bool, "bool"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
+        elif f.type in (str, "str"):
+            p.add_argument(f"--{f.name.replace('_', '-')}", default=f.default,
+                           help="none, full, attention, moe or every_k:<k> (recomputed forward "
+                                "collectives then count in the backward phase)")
+        else:
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
+    p.add_argument("--layouts", default=",".join(name for name, *_ in LAYOUTS),
+                   help="comma-separated subset of the layouts")
+    p.add_argument("--json", default=None, help="also write the raw records and rows here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    layouts = tuple(args.layouts.split(","))
+    unknown = sorted(set(layouts) - {name for name, *_ in LAYOUTS})
+    if unknown:
+        print(f"--layouts: unknown layout {unknown[0]!r} (known: "
+              f"{', '.join(name for name, *_ in LAYOUTS)})", file=sys.stderr)
+        return 2
+    sizes = Sizes(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Sizes)})
+    data = run(sizes, layouts)
+    rows = analyse(data)
+    print(f"sizes: {sizes}\n")
+    print(markdown(rows))
+    bad = [r for r in rows if r.per_token and not r.ok]
+    for r in rows:
+        if not r.per_token and r.note:
+            print(f"\nnote ({r.layout} {r.scope}): {r.traffic}: {r.note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(data, rows=[dataclasses.asdict(r) for r in rows]), f, indent=1)
+    if bad:
+        print(f"\nFAIL: {len(bad)} per-token rows above (or, for the expert exchange, different "
+              f"from) the analytic minimum:")
+        for r in bad:
+            print(f"  {r.layout} {r.scope} {r.traffic} {r.phase}: {r.elements} vs {r.minimum} {r.note}")
+        return 1
+    print("\nOK: per-token traffic at the analytic minimum")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
