@@ -122,6 +122,8 @@ class TrainConfig:
     """Steps between console lines (metrics.jsonl gets every step)."""
     activation_checkpointing: str = "none"
     """Recompute in backward: none | full | attention | moe | every_k:<k> (every k-th block)."""
+    memory_snapshot: bool = False
+    """On a GPU, record allocation stack traces for the out-of-memory report's snapshot (slower)."""
     spike_action: Literal["log", "skip", "stop"] = "log"
     """On a loss spike: log it, skip the optimizer step, or save and stop."""
     spike_factor: float = 4.0

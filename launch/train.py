@@ -6,6 +6,8 @@
 Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
 ``python launch/train.py ...`` (one process). Everything the run needs is validated before any
 process group is created or any file written; a bad input is one line on stderr and exit code 2.
+Running out of memory is one line too, exit code 3, with a report and the next layout to try in
+the run directory (``launch/oom.py``).
 Running the same command again with the same run directory resumes from the newest complete
 checkpoint with the same data order and RNG streams.
 
@@ -29,7 +31,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from launch import checkpoint, ds_config, run_setup, stepping  # noqa: E402
+from launch import checkpoint, ds_config, oom, run_setup, stepping  # noqa: E402
 from launch.recipe import Recipe, load_recipe  # noqa: E402
 
 
@@ -83,6 +85,7 @@ def prepare(args: argparse.Namespace) -> Plan:
 def train(plan: Plan) -> int:
     recipe, tcfg = plan.recipe, plan.recipe.train
     ctx = run_setup.init_distributed(recipe)           # process groups (gloo on CPU, NCCL on GPU)
+    oom.record_memory_history(tcfg.memory_snapshot, ctx.device)   # GPU, when asked
     rank0 = ctx.rank == 0
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
     if rank0:
@@ -145,6 +148,11 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:   # e.g. a corrupted checkpoint found on resume
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:                      # torch.OutOfMemoryError is one
+        if not oom.is_out_of_memory(err):
+            raise
+        print(oom.report(err, plan, args), file=sys.stderr)   # writes <run-dir>/oom_report.md
+        return oom.EXIT_CODE
 
 
 if __name__ == "__main__":

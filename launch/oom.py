@@ -1,0 +1,434 @@
+"""Out of memory during training: a report on every rank that hit it, and the next layout to try.
+
+``launch/train.py`` catches ``torch.OutOfMemoryError`` (GPU) and the CPU allocator's "can't
+allocate memory" ``RuntimeError`` (``is_out_of_memory``) around the run and calls ``report``, which
+writes ``<run-dir>/oom_report.md`` and ``oom_report.json`` (``oom_report.rank<R>.*`` on ranks
+R > 0) and returns the one line the trainer prints before it exits with code ``EXIT_CODE``:
+
+    error: out of memory at step 3 (rank 0); report: runs/x/oom_report.md; next try: ...
+
+The report holds:
+
+- where: step, micro-batch and phase, read from the traceback's frames (``train()``'s ``step``,
+  ``Stepper.train_step``'s micro-batch index and the line it stopped on), so that the training
+  loop carries no bookkeeping for this; a frame that is missing leaves its field null;
+- the layout: world, tp/ep/pp/dp, ZeRO stage, precision, micro-batch, accumulation, sequence
+  length, activation checkpointing;
+- the estimator's per-GPU breakdown for this run (``launch/estimate_memory.estimate``) next to the
+  allocator's figures: ``torch.cuda.memory_stats`` and ``mem_get_info`` on a GPU, and the
+  process's RSS and peak RSS (``/proc/self/status``) always;
+- the ``TOP_TENSORS`` largest live tensors of a ``gc`` scan, one row per storage (views of one
+  flat ZeRO buffer share a row), named when they are model parameters, their gradients,
+  optimizer states, buffers of DeepSpeed's ZeRO optimizer or locals of the repo's frames;
+- on a GPU, ``torch.cuda.memory._dump_snapshot`` (with the stack trace of every allocation when
+  ``train.memory_snapshot`` switched the allocator's history on at start, see
+  ``record_memory_history``); drop the file on https://pytorch.org/memory_viz;
+- the next layout to try (``launch/next_layout.py``): "fits" compares the estimate, with its
+  activations and buffers scaled by how far the estimator fell short on this run (the allocator
+  needed at least what it held plus the failed request), with the device's memory less
+  ``RESERVE_FRACTION``; on a CPU the device is this process's share of the machine's memory.
+
+Besides the report only ``oom_snapshot*.pickle`` and ``oom_next_ds_config.json`` are written:
+``checkpoints/`` and ``metrics.jsonl`` stay as the last completed step left them, so the same
+command resumes from the last checkpoint. Ranks still waiting in a collective for this one are
+stopped by the launcher (torchrun and deepspeed end the job when a process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import linecache
+import os
+import re
+import resource
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from launch import memory_model as mm
+from launch.estimate_memory import GB, RESERVE_FRACTION, estimate
+from launch.hardware import GPUS
+from launch.next_layout import atomic_write, cost, gpus_per_node, suggest
+
+REPO = Path(__file__).resolve().parents[1]
+EXIT_CODE = 3
+TOP_TENSORS = 20
+HISTORY_ENTRIES = 100_000        # allocator events kept by the memory history
+_CPU_OOM = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)")
+_REQUEST = re.compile(r"[Tt]ried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
+_UNITS = {"bytes": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A GPU OOM, or the CPU allocator failing (a plain ``RuntimeError`` from c10)."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and bool(_CPU_OOM.search(str(err))))
+
+
+def record_memory_history(enabled: bool, device: torch.device) -> bool:
+    """Switch on the CUDA allocator's history (the stack trace of each of the last
+    ``HISTORY_ENTRIES`` allocation events) so that an OOM snapshot shows who allocated what.
+    Only on a GPU and when asked (``train.memory_snapshot``): it slows every allocation a little."""
+    if not enabled or device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+    return True
+
+
+def report(err: BaseException, plan, args) -> str:
+    """Write this rank's OOM report into ``plan.run_dir``; return the one-line error message.
+
+    Args:
+        err: the out-of-memory exception, with its traceback.
+        plan: ``launch.train.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
+        args: the trainer's parsed arguments (to print the next command).
+    """
+    where, found = _where(err)
+    ctx = found.get("ctx")
+    rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
+    device = ctx.device if ctx is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    suffix = "" if rank == 0 else f".rank{rank}"
+    run_dir = Path(plan.run_dir)
+    _safe(lambda: run_dir.mkdir(parents=True, exist_ok=True))     # an OOM at start-up
+    rep = {"error": str(err).strip(), "rank": rank, "where": where,
+           "layout": _safe(_layout, plan, device, ctx)}
+    rep["allocator"] = _safe(_allocator, device)
+    requested = _requested_bytes(str(err))
+    rep["estimate"] = _safe(_estimate, plan, ctx, device, rep["allocator"], requested)
+    rep["largest_tensors"] = _safe(_largest_tensors, found)
+    rep["snapshot"] = _safe(_snapshot, device, run_dir / f"oom_snapshot{suffix}.pickle",
+                            plan.recipe.train.memory_snapshot)
+    rep["suggestion"] = (_safe(suggest, plan, args, device, rep["estimate"]) if "error" not in rep["estimate"]
+                         else {"error": f"no estimate: {rep['estimate']['error']}"})
+    rep["traceback"] = "".join(traceback.format_exception(err))
+    try:
+        text = _markdown(rep)
+    except Exception as e:                                  # noqa: BLE001
+        text = f"# Out of memory\n\nNot rendered ({type(e).__name__}: {e}); see oom_report{suffix}.json.\n"
+    md_path = run_dir / f"oom_report{suffix}.md"
+    try:
+        atomic_write(run_dir / f"oom_report{suffix}.json", json.dumps(rep, indent=1, default=str) + "\n")
+        atomic_write(md_path, text)
+    except OSError as e:
+        md_path = f"not written ({e})"
+    at = where["at"]
+    next_try = rep["suggestion"].get("next_try") or "see the report"
+    return f"error: out of memory at {at} (rank {rank}); report: {md_path}; next try: {next_try}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Where, layout, allocator.
+
+def _where(err: BaseException) -> tuple[dict, dict]:
+    """Step, micro-batch and phase from the traceback, and the objects its frames held."""
+    out = {"step": None, "micro_batch": None, "micro_batches": None, "phase": "start-up",
+           "call_path": []}
+    frames, local_vars, tb = {}, [], err.__traceback__
+    while tb is not None:
+        frame, path = tb.tb_frame, Path(tb.tb_frame.f_code.co_filename).resolve()
+        if REPO in path.parents and "site-packages" not in path.parts:
+            rel, name = path.relative_to(REPO).as_posix(), frame.f_code.co_name
+            text = linecache.getline(str(path), tb.tb_lineno).strip()
+            out["call_path"].append(f"{rel}:{tb.tb_lineno} {name}: {text}")
+            frames[(rel, name)] = (frame.f_locals, text)
+            local_vars.append((name, frame.f_locals))
+        tb = tb.tb_next
+    train_locals, train_line = frames.get(("launch/train.py", "train"), ({}, ""))
+    found = {k: train_locals.get(k) for k in ("ctx", "model", "engine")}
+    found["locals"] = local_vars
+    out["step"] = train_locals.get("step")
+    if train_line:
+        out["phase"] = train_line if out["step"] is not None else f"start-up: {train_line}"
+    step_locals, line = frames.get(("launch/stepping.py", "train_step"), (None, ""))
+    if step_locals is not None:
+        if "i" in step_locals and "batches" in step_locals:
+            out["micro_batch"], out["micro_batches"] = step_locals["i"] + 1, len(step_locals["batches"])
+        out["phase"] = ("backward" if "backward" in line else "optimizer step" if ".step(" in line
+                        else "forward" if "engine(" in line else line)
+    for key, phase in ((("launch/stepping.py", "_pipeline_train_step"), "pipeline schedule (1F1B)"),
+                       (("launch/stepping.py", "evaluate"), "evaluation"),
+                       (("launch/checkpoint.py", "save"), "checkpoint save"),
+                       (("launch/checkpoint.py", "load"), "checkpoint load")):
+        if key in frames:
+            out["phase"] = phase
+    out["at"] = f"step {out['step']}" if out["step"] is not None else out["phase"]
+    return out, found
+
+
+def _layout(plan, device: torch.device, ctx) -> dict:
+    recipe, ds = plan.recipe, plan.ds
+    par, zero = recipe.parallel, ds.get("zero_optimization") or {}
+    return {"world_size": plan.world_size, "tp": par.tensor_parallel_size,
+            "ep": par.expert_parallel_size, "pp": par.pipeline_parallel_size, "dp": plan.dp_size,
+            "zero_stage": int(zero.get("stage", 0)), "precision": mm.precision_of(ds),
+            "micro_batch": ds["train_micro_batch_size_per_gpu"],
+            "accumulation": ds["gradient_accumulation_steps"],
+            "train_batch_size": ds["train_batch_size"], "seq_len": recipe.seq_len,
+            "activation_checkpointing": recipe.train.activation_checkpointing,
+            "offload_optimizer": mm._offloaded(zero, "offload_optimizer"),
+            "offload_param": mm._offloaded(zero, "offload_param"), "device": device.type,
+            "gpu": ctx.gpu.name if ctx is not None and ctx.gpu is not None else None}
+
+
+def _allocator(device: torch.device) -> dict:
+    out = {"cpu": _cpu_memory()}
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        free, total = torch.cuda.mem_get_info(device)
+        out["gpu"] = {"allocated": s.get("allocated_bytes.all.current", 0),
+                      "allocated_peak": s.get("allocated_bytes.all.peak", 0),
+                      "reserved": s.get("reserved_bytes.all.current", 0),
+                      "reserved_peak": s.get("reserved_bytes.all.peak", 0),
+                      "inactive_split": s.get("inactive_split_bytes.all.current", 0),
+                      "alloc_retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0),
+                      "device_free": free, "device_total": total}
+    return out
+
+
+def _cpu_memory() -> dict:
+    """Process RSS and peak RSS, and the machine's (or cgroup's) memory, in bytes."""
+    status = _kib_fields("/proc/self/status", ("VmRSS", "VmHWM"))
+    info = _kib_fields("/proc/meminfo", ("MemTotal", "MemAvailable"))
+    peak = status.get("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    limit = None
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        limit = int(text) if text.isdigit() else None
+    except OSError:
+        pass
+    return {"rss": status.get("VmRSS"), "peak_rss": peak, "machine_total": info.get("MemTotal"),
+            "machine_available": info.get("MemAvailable"), "cgroup_limit": limit}
+
+
+def _kib_fields(path: str, names: tuple[str, ...]) -> dict:
+    out = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in names:
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _requested_bytes(message: str) -> int:
+    """The failed request: "Tried to allocate 20.00 GiB" (CUDA), "tried to allocate N bytes"."""
+    m = _REQUEST.search(message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate next to the allocator, and the budget a next layout must fit.
+
+def _gpu_key(ctx, allocator: dict) -> str:
+    if ctx is not None and ctx.gpu is not None:
+        return ctx.gpu.name
+    total = (allocator.get("gpu") or {}).get("device_total")
+    if total:      # an unknown GPU: the table's entry closest in memory
+        return min(GPUS, key=lambda k: abs(GPUS[k].memory_gb * GB - total))
+    return "h100-80gb"       # on a CPU only the byte figures are used, not the GPU's size
+
+
+def _estimate(plan, ctx, device: torch.device, allocator: dict, requested: int) -> dict:
+    gpu = _gpu_key(ctx, allocator)
+    est = estimate(plan.recipe, plan.ds, plan.world_size, gpus_per_node(plan), gpu)
+    w = est["worst"]
+    s, act, buf = w["states"], w["activations"], w["buffers"]
+    if device.type == "cuda":
+        g = allocator["gpu"]
+        budget, held = g["device_total"] * (1 - RESERVE_FRACTION), g["allocated"]
+    else:
+        c = allocator["cpu"]
+        total = min(x for x in (c["machine_total"], c["cgroup_limit"]) if x)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+        budget, held = total / local * (1 - RESERVE_FRACTION), c["rss"]
+    states, transient = cost(est, device)
+    need = held + requested
+    # How far the estimator fell short on this run, put on the part it models least well.
+    scale = max(1.0, (need - states) / transient) if transient > 0 else 1.0
+    return {"gpu_table_entry": gpu, "device": device.type, "stage": w["stage"],
+            "breakdown": {"parameters": s["params"], "gradients": s["grads"],
+                          "optimizer states": s["optimizer"], "activations": act["total"],
+                          "  blocks kept for backward": act["blocks"],
+                          "  recompute of one block/sub-layer": act["recompute"],
+                          "  final norm, fp32 logits, token ids": act["head"],
+                          "  returned logits + their fp32 grad": act["logits_transient"],
+                          "buffers: reduce bucket(s)": buf["reduce_bucket"],
+                          "buffers: ZeRO-3 gathered params": buf["zero3_gather"],
+                          "buffers: all-to-all": buf["all_to_all"],
+                          "buffers: optimizer step": buf["optimizer_step"],
+                          "total per GPU": w["gpu_total"], "offloaded to CPU": w["cpu"]},
+            "total": states + transient, "requested": requested, "held": held, "need": need,
+            "budget": budget, "scale": scale}
+
+
+# ---------------------------------------------------------------------------------------------
+# Largest live tensors and the memory snapshot.
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.device.type, t.device.index, t.untyped_storage().data_ptr()
+
+
+def _labels(found: dict) -> dict:
+    """Storage -> names, most telling first: parameters, their gradients and ZeRO-3 partitions,
+    optimizer states, the ZeRO optimizer's own buffers, locals of the repo's frames."""
+    model, engine = found.get("model"), found.get("engine")
+    labels: dict[tuple, list[str]] = {}
+    seen: set[int] = set()                  # each tensor object keeps its first (best) name
+
+    def add(t, name):
+        if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
+            seen.add(id(t))
+            labels.setdefault(_storage_key(t), []).append(name)
+
+    def add_all(value, name, depth=2):      # tensors in lists, dicts and plain objects
+        if isinstance(value, torch.Tensor):
+            add(value, name)
+        elif depth and isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                add_all(v, f"{name}[{i}]", depth - 1)
+        elif depth and isinstance(value, dict):
+            for k, v in value.items():
+                add_all(v, f"{name}[{k!r}]", depth - 1)
+        elif depth and type(value).__module__.startswith("deepspeed") and hasattr(value, "__dict__"):
+            for k, v in vars(value).items():     # e.g. DeepSpeed's gradient buckets
+                add_all(v, f"{name}.{k}", depth - 1)
+    names = {}
+    for name, p in (model.named_parameters() if model is not None else ()):
+        names[id(p)] = name
+        add(p, name)
+        add(p.grad, f"grad of {name}")
+        add(getattr(p, "ds_tensor", None), f"{name} (ZeRO-3 partition)")
+    opt = getattr(engine, "optimizer", None)
+    inner = getattr(opt, "optimizer", opt)           # DeepSpeed's ZeRO wrappers hold a torch one
+    if isinstance(inner, torch.optim.Optimizer):
+        for g, group in enumerate(inner.param_groups):
+            for p in group["params"]:
+                pname = names.get(id(p)) or f"fp32 flat partition of param group {g}"
+                if id(p) not in names:
+                    add(p, pname)
+                for key, value in inner.state.get(p, {}).items():
+                    add(value, f"optimizer {key} of {pname}")
+    if opt is not None and opt is not inner:
+        for attr, value in vars(opt).items():
+            add_all(value, f"{type(opt).__name__}.{attr}")
+    for func, scope in found.get("locals", ()):
+        for name, value in scope.items():
+            if isinstance(value, torch.Tensor) or not hasattr(value, "__dataclass_fields__"):
+                add_all(value, f"{func}() {name}")
+            else:                   # e.g. TransformerOutput: its logits
+                for attr in value.__dataclass_fields__:
+                    add_all(getattr(value, attr), f"{func}() {name}.{attr}")
+    return labels
+
+
+def _largest_tensors(found: dict) -> list[dict]:
+    labels = _labels(found)
+    storages: dict[tuple, tuple[int, torch.Tensor]] = {}
+    with warnings.catch_warnings():            # isinstance() on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        try:
+            if obj.device.type == "meta":
+                continue
+            key, nbytes = _storage_key(obj), obj.untyped_storage().nbytes()
+        except Exception:            # sparse, fake or otherwise storage-less tensors
+            continue
+        if nbytes and (key not in storages or obj.numel() > storages[key][1].numel()):
+            storages[key] = (nbytes, obj)
+    rows = []
+    for key, (nbytes, t) in sorted(storages.items(), key=lambda kv: -kv[1][0])[:TOP_TENSORS]:
+        names = labels.get(key, [])
+        name = names[0] if len(names) == 1 else (
+            f"{names[0]} + {len(names) - 1} more (views of one buffer)" if names else None)
+        rows.append({"mb": nbytes / 1e6, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                     "device": str(t.device), "name": name})
+    return rows
+
+
+def _snapshot(device: torch.device, path: Path, history: bool) -> dict:
+    if device.type != "cuda":
+        return {"path": None, "note": "no GPU: the CUDA allocator snapshot applies to GPU runs"}
+    torch.cuda.memory._dump_snapshot(str(path))
+    note = ("allocation stack traces included (train.memory_snapshot)" if history else
+            "segments only; rerun with --set train.memory_snapshot=true for stack traces")
+    return {"path": str(path), "note": f"{note}; open it on https://pytorch.org/memory_viz"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+def _safe(fn, *args) -> dict | list:
+    """A section of the report; a failure is recorded in its place, never raised (the report is
+    written while memory is exhausted)."""
+    try:
+        return fn(*args)
+    except Exception as e:                                  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / GB:.3f}"
+
+
+def _markdown(rep: dict) -> str:
+    w, lay, est, alloc = rep["where"], rep["layout"], rep["estimate"], rep["allocator"]
+    sug, tensors = rep["suggestion"], rep["largest_tensors"]
+    micro = f"{w['micro_batch']} of {w['micro_batches']}" if w["micro_batch"] else "-"
+    lines = [f"# Out of memory at {w['at']}, rank {rep['rank']}", "",
+             "```", rep["error"].splitlines()[0] if rep["error"] else "", "```", "",
+             "## Where", "", f"- step: {w['step']}", f"- micro-batch: {micro}",
+             f"- phase: {w['phase']}", "", "```", *w["call_path"], "```", "", "## Layout", "",
+             "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in lay.items()]
+    lines += ["", "## Memory: estimate vs allocator (GB = 1e9 bytes)", ""]
+    if "error" in est:
+        lines.append(f"estimate unavailable: {est['error']}")
+    else:
+        lines += [f"Estimator (`launch/estimate_memory.py`, heaviest pipeline stage {est['stage']}, "
+                  f"{est['device']} device):", "", "| per GPU | GB |", "|---|---|"]
+        lines += [f"| {k} | {_gb(v)} |" for k, v in est["breakdown"].items()]
+    lines += ["", "Allocator:", "", "| figure | GB |", "|---|---|"]
+    for group in ("gpu", "cpu"):
+        lines += [f"| {group}: {k} | {v if k in ('alloc_retries', 'ooms') else _gb(v)} |"
+                  for k, v in (alloc.get(group) or {}).items()]
+    if "error" not in est:
+        lines += ["", f"The failed request: {_gb(est['requested'])} GB on top of {_gb(est['held'])} GB "
+                      f"held, so this rank needed at least {_gb(est['need'])} GB against an estimate "
+                      f"of {_gb(est['total'])} GB; usable here: {_gb(est['budget'])} GB. The next "
+                      f"layout's activations and buffers are scaled by {est['scale']:.2f} (the "
+                      f"estimator's miss on this run)."]
+    lines += ["", f"## Largest live tensors (gc scan, one row per storage, top {TOP_TENSORS})", "",
+              "| MB | shape | dtype | device | name |", "|---|---|---|---|---|"]
+    if isinstance(tensors, list):
+        lines += [f"| {r['mb']:.2f} | {tuple(r['shape'])} | {r['dtype']} | {r['device']} "
+                  f"| {r['name'] or ''} |" for r in tensors]
+    else:
+        lines.append(f"| - | - | - | - | {tensors['error']} |")
+    snap = rep["snapshot"]
+    lines += ["", "## Memory snapshot", "",
+              f"{snap.get('path') or '-'}: {snap.get('note') or snap.get('error')}", "",
+              "## Next layout to try", ""]
+    if "rungs" in sug:
+        lines += ["| rung | change | estimate GB | status |", "|---|---|---|---|"]
+        for r in sug["rungs"]:
+            gb = "-" if r["estimate_gb"] is None else f"{r['estimate_gb']:.3f}"
+            why = f": {r['reason']}" if r["reason"] else ""
+            lines.append(f"| {r['rung']} | {r['change'] or '-'} | {gb} | {r['status']}{why} |")
+        lines += ["", f"Usable: {sug['budget_gb']:.3f} GB; {'fits' if sug['fits'] else 'DOES NOT FIT'} "
+                      f"at {sug['estimate_gb']:.3f} GB.", ""]
+    lines.append(f"Next try: {sug.get('summary') or sug.get('next_try') or sug.get('error')}")
+    if sug.get("command"):
+        lines += ["", "```bash", sug["command"], "```"]
+    if sug.get("ds_json_changes"):
+        lines += ["", f"DeepSpeed JSON keys changed (written to `{sug['config']}`):", "", "```json",
+                  json.dumps(sug["ds_json_changes"], indent=1), "```"]
+    if sug.get("note"):
+        lines += ["", f"Note: {sug['note']}."]
+    lines += ["", "## Traceback", "", "```", rep["traceback"].rstrip(), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""Out of memory in the real trainer: exit code 3, one line, a full report, an intact run directory.
+
+``_oom_run.py`` runs ``launch.train.main`` in a fresh process with ``Transformer.forward`` raising a
+CUDA-style ``torch.OutOfMemoryError`` at its 6th call: with accumulation 2 that is micro-batch 2 of
+step 3, after the checkpoint of step 2 (``train.save_every=2``). The product code has no test
+branch: the error travels the same path a real one would. The ladder of next layouts is also
+checked in-process on a GPU-sized case (no GPU needed: the estimator is arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import ds_config, next_layout, oom, run_setup, train
+from launch.recipe import load_recipe
+from tests.runs import REPO, SMALL, ds_variant, env
+
+OOM_AT_CALL = 6
+SECTIONS = ("## Where", "## Layout", "## Memory: estimate vs allocator", "## Largest live tensors",
+            "## Memory snapshot", "## Next layout to try", "## Traceback")
+
+
+@pytest.fixture(scope="module")
+def oom_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("oom")
+    run_dir = tmp / "run"
+    config = ds_variant(tmp, "zero2_fp32", train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    cmd = [sys.executable, str(Path(__file__).parent / "_oom_run.py"), "--config", config,
+           "--run-dir", str(run_dir), "--steps", "10", "--set", *SMALL, "train.save_every=2"]
+    out = subprocess.run(cmd, cwd=REPO, env=dict(env(), OOM_AT_CALL=str(OOM_AT_CALL)),
+                         capture_output=True, text=True, timeout=300)
+    return out, run_dir
+
+
+def test_one_error_line_and_exit_code_3(oom_run):
+    out, run_dir = oom_run
+    assert out.returncode == oom.EXIT_CODE, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    report = run_dir / "oom_report.md"
+    assert errors[0].startswith(f"error: out of memory at step 3 (rank 0); report: {report}; next try: ")
+
+
+def test_run_directory_is_intact(oom_run):
+    _, run_dir = oom_run
+    ckpt = run_dir / "checkpoints"
+    before = json.loads(Path(f"{run_dir}.before_oom.json").read_text())
+    assert before["latest"][2] == "step00000002"
+    after = {p.relative_to(ckpt).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns,
+                                              p.read_text() if p.name == "latest" else None]
+             for p in sorted(ckpt.rglob("*")) if p.is_file()}
+    assert after == before
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not [p.name for p in run_dir.iterdir() if ".tmp" in p.name]
+
+
+def test_report_has_every_section(oom_run):
+    _, run_dir = oom_run
+    md = (run_dir / "oom_report.md").read_text()
+    assert all(s in md for s in SECTIONS), md[:2000]
+    rep = json.loads((run_dir / "oom_report.json").read_text())
+    assert {k: rep["where"][k] for k in ("step", "micro_batch", "micro_batches", "phase")} == {
+        "step": 3, "micro_batch": 2, "micro_batches": 2, "phase": "forward"}
+    lay = rep["layout"]
+    assert [lay[k] for k in ("world_size", "tp", "ep", "pp", "dp", "zero_stage")] == [1, 1, 1, 1, 1, 2]
+    assert (lay["precision"], lay["micro_batch"], lay["accumulation"], lay["seq_len"],
+            lay["activation_checkpointing"]) == ("fp32", 4, 2, 64, "none")
+    est = rep["estimate"]
+    assert est["breakdown"]["total per GPU"] > est["breakdown"]["parameters"] > 0
+    assert est["requested"] == 20 * 2 ** 30
+    cpu = rep["allocator"]["cpu"]
+    assert cpu["peak_rss"] >= cpu["rss"] > 50e6
+    assert rep["snapshot"]["path"] is None                         # no GPU here
+
+    tensors = rep["largest_tensors"]
+    assert len(tensors) == oom.TOP_TENSORS
+    assert [t["mb"] for t in tensors] == sorted((t["mb"] for t in tensors), reverse=True)
+    params = re.compile(r"^(embed_tokens|lm_head|norm|layers\.\d+\.[\w.]+)\.weight\b")
+    assert any(t["name"] and params.match(t["name"]) for t in tensors), tensors
+    assert any(t["name"] == "train_step() out.logits" and t["shape"] == [4, 64, 4096] for t in tensors)
+
+
+def test_suggested_command_is_runnable(oom_run):
+    _, run_dir = oom_run
+    sug = json.loads((run_dir / "oom_report.json").read_text())["suggestion"]
+    assert sug["rungs"][0]["rung"] == next_layout.LADDER[0] and sug["changes"]
+    argv = shlex.split(sug["command"])
+    assert argv[:2] == ["python", "launch/train.py"]
+    args = train.parse_args(argv[2:])
+    recipe = load_recipe(args.recipe, args.set)
+    assert recipe.train.activation_checkpointing == ("full" if "activation checkpointing full"
+                                                     in sug["changes"] else "none")
+    assert Path(args.run_dir) == run_dir and args.steps == 10
+
+
+def test_suggested_command_resumes_the_run(oom_run):
+    """The next try, run as printed (for one more step), resumes from the step-2 checkpoint. Runs last:
+    it changes the run directory the tests above read."""
+    _, run_dir = oom_run
+    argv = shlex.split(json.loads((run_dir / "oom_report.json").read_text())["suggestion"]["command"])
+    argv[argv.index("--steps") + 1] = "3"
+    out = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=env(), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000002'}" in out.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+
+
+def test_ladder_on_eight_gpus(tmp_path, monkeypatch):
+    """Mixtral 8x7B at EP 8 on one node of 8 H100s with ZeRO-1 and a 20 GiB request that failed:
+    the estimate (above what the allocator needed) is taken as is; checkpointing is already full,
+    ZeRO-2 saves nothing without accumulation (DeepSpeed's ZeRO-1 already reduces into
+    partitions), so ZeRO-3 is taken; micro-batch 4 cannot be split over 8 expert ranks; TP cannot
+    grow at dp 1; offloading fits."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    recipe = load_recipe("recipes/mixtral_8x7b.yaml", ["parallel.pipeline_parallel_size=1"])
+    args = train.parse_args(["--config", "ds_configs/zero1.json", "--recipe", "recipes/mixtral_8x7b.yaml",
+                             "--run-dir", str(tmp_path), "--set", "parallel.pipeline_parallel_size=1"])
+    ds = ds_config_for(args.config, recipe, dp=1)
+    plan = train.Plan(recipe, ds, tmp_path, 8, 1, None)
+    ctx = type("Ctx", (), {"rank": 0, "device": torch.device("cuda", 0), "gpu": oom.GPUS["h100-80gb"]})()
+    alloc = {"gpu": {"device_total": 80e9, "allocated": 70e9}, "cpu": {}}
+    est = oom._estimate(plan, ctx, ctx.device, alloc, 20 * 2 ** 30)
+    assert est["need"] == 70e9 + 20 * 2 ** 30 and est["total"] > est["need"] and est["scale"] == 1
+    sug = next_layout.suggest(plan, args, ctx.device, est)
+    status = [(r["status"], r["change"]) for r in sug["rungs"]]
+    assert status == [("skipped", None), ("applied", "ZeRO-1 -> ZeRO-3"),
+                      ("skipped", "micro-batch 8 -> 4, accumulation 1 -> 2"), ("skipped", None),
+                      ("applied", "offload the optimizer and parameters to CPU")], sug["rungs"]
+    assert sug["fits"] and sug["estimate_gb"] * 1e9 <= est["budget"]
+    written = json.loads(Path(sug["config"]).read_text())
+    assert written["zero_optimization"]["stage"] == 3
+    assert written["zero_optimization"]["offload_param"]["device"] == "cpu"
+    argv = shlex.split(sug["command"].replace("[your launcher args] ", ""))
+    assert argv[0] == "deepspeed" and train.parse_args(argv[2:]).config == sug["config"]
+
+
+def ds_config_for(path: str, recipe, dp: int) -> dict:
+    ds = ds_config.validate_ds_config(ds_config.load_ds_config(path), dp)
+    return run_setup.resolve_ds_config(ds, recipe)
+
+
+def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):
+    try:
+        torch.empty(2 ** 50, dtype=torch.uint8)            # the CPU allocator's real failure
+    except RuntimeError as err:
+        assert oom.is_out_of_memory(err) and oom._requested_bytes(str(err)) == 2 ** 50
+    assert oom.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    assert oom._requested_bytes("CUDA out of memory. Tried to allocate 2.00 MiB") == 2 * 2 ** 20
+    assert not oom.is_out_of_memory(RuntimeError("shape mismatch"))
+    # Any other RuntimeError keeps its traceback (not swallowed into exit code 3).
+    monkeypatch.setattr(train, "prepare", lambda args: None)
+    monkeypatch.setattr(train, "train", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        train.main(["--config", "ds_configs/zero1.json"])
