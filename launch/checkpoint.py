@@ -24,6 +24,8 @@ import torch
 from model.parallel import comm
 
 LATEST = "latest"
+UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
+LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer in <ckpt>/universal/
 
 
 def tag_for_step(step: int) -> str:
@@ -66,16 +68,244 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) 
     return tag
 
 
+def universal_tag(ckpt_dir: Path) -> str | None:
+    """The tag ``launch/to_universal.py`` last converted (``<ckpt>/universal/latest_universal``)."""
+    pointer = Path(ckpt_dir) / UNIVERSAL / LATEST_UNIVERSAL
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text().strip()
+    return tag if tag and (pointer.parent / tag).is_dir() else None
+
+
+def _model_states_file(folder: Path) -> Path | None:
+    """DeepSpeed's model-states file of model-parallel rank 0 (ZeRO 0-2 or ZeRO-3 name)."""
+    found = sorted(Path(folder).glob("*mp_rank_00_model_states.pt"),
+                   key=lambda f: (len(f.name), f.name))
+    return found[0] if found else None
+
+
+def read_states(path: Path) -> dict:
+    """A DeepSpeed ``*_model_states.pt`` memory-mapped (tensors are read only when touched);
+    ValueError (one line) when it cannot be read."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # torch raises many types on a corrupted file
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"checkpoint {Path(path).parent} cannot be read ({type(e).__name__}: "
+                         f"{first}); restore it, or delete it and point {LATEST} at an older "
+                         f"tag") from None
+
+
+def _layout_mismatch(engine, folder: Path) -> str | None:
+    """Why ``folder`` (a native DeepSpeed checkpoint) cannot be loaded at this run's layout, or
+    None. DeepSpeed itself fails with a traceback on a data-parallel change when the optimizer
+    state is sharded per dp rank (``*optim_states.pt``: ZeRO; fp32 ZeRO-0 keeps it whole in
+    ``mp_rank_XX_model_states.pt``) or on a model-parallel change (shards per mp rank)."""
+    states = _model_states_file(folder)
+    if states is None:
+        return None                                      # DeepSpeed reports the missing files
+    meta = read_states(states)
+    saved_dp, saved_mp = meta.get("dp_world_size"), meta.get("mp_world_size")
+    dp, mp = engine.dp_world_size, engine.mp_world_size
+    if saved_mp != mp or (saved_dp != dp and any(Path(folder).glob("*optim_states.pt"))):
+        return (f"saved by data-parallel size {saved_dp} x model-parallel (tp x ep) size "
+                f"{saved_mp}, this run has {dp} x {mp}")
+    # Same mp size, other split (tp2 vs ep2): shards have the same shapes on every mp rank of
+    # one layout, so every rank compares its own with rank 0's and all decide alike.
+    shapes = {k: tuple(v) for group in meta.get("param_shapes") or [] for k, v in group.items()}
+    mine = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}
+    if any(shapes.get(n, s) != s for n, s in mine.items()):
+        return "saved at another tensor/expert-parallel layout (its parameter shapes differ)"
+    return None
+
+
 def load(engine, ckpt_dir: Path) -> dict | None:
-    """Load the newest complete checkpoint into ``engine``; return its client state (or None)."""
+    """Load the newest complete checkpoint into ``engine``; return its client state (or None).
+
+    With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON, the universal
+    conversion of the newest checkpoint (``launch/to_universal.py``, under
+    ``<ckpt>/universal/``) is loaded at this run's layout. The conversion carries the trainer's
+    ``client_state`` (DeepSpeed copies the ``mp_rank_*_model_states.pt`` files into it). A newer
+    native checkpoint, i.e. one this layout saved after resuming from the conversion, is loaded
+    natively, so the same command keeps resuming.
+    """
     tag = latest_tag(ckpt_dir)
     if tag is None:
         return None
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    folder, load_dir = Path(ckpt_dir) / tag, Path(ckpt_dir)
+    universal = bool(engine.load_universal_checkpoint())
+    converted = universal_tag(ckpt_dir) if universal else None
+    if universal and converted != tag:
+        universal = False                       # load the native checkpoint (next check decides)
+    problem = None if universal else _layout_mismatch(engine, folder)
+    if problem:
+        hint = (f"{LATEST_UNIVERSAL} points to {converted}, not the newest checkpoint; "
+                if converted else "")
+        raise ValueError(f"checkpoint {folder} was {problem}: {hint}resume at its layout, or "
+                         f"convert it with `python launch/to_universal.py --run-dir "
+                         f"{Path(ckpt_dir).parent}` and set \"checkpoint\": {{\"load_universal\": "
+                         f"true}} in the DeepSpeed JSON")
+    if universal:
+        load_dir = Path(ckpt_dir) / UNIVERSAL
+        problem = _universal_mismatch(engine, load_dir / tag)
+        if problem:
+            raise ValueError(f"universal checkpoint {load_dir / tag}: {problem}")
+    from deepspeed.utils import groups as ds_groups
+    saved_flag = engine._config.load_universal_checkpoint
+    saved_tp = ds_groups._TENSOR_MODEL_PARALLEL_GROUP
+    engine._config.load_universal_checkpoint = universal     # DeepSpeed reads it at load time only
+    if universal and engine.zero_optimization_stage() == 3 and engine.mp_world_size > 1:
+        # ZeRO-3's universal restore cuts each shard over the tensor-parallel group of
+        # deepspeed.utils.groups, which only AutoTP sets ("intra_layer_model parallel group is
+        # not initialized"); ours is the tp x ep group DeepSpeed got as ``mpu``.
+        ds_groups._TENSOR_MODEL_PARALLEL_GROUP = engine.mpu.get_model_parallel_group()
+    try:
+        path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+    finally:
+        engine._config.load_universal_checkpoint = saved_flag
+        ds_groups._TENSOR_MODEL_PARALLEL_GROUP = saved_tp
     if path is None:
-        raise ValueError(f"checkpoint {Path(ckpt_dir) / tag} could not be loaded (corrupted or "
+        raise ValueError(f"checkpoint {load_dir / tag} could not be loaded (corrupted or "
                          f"incomplete): delete it and point {LATEST} at an older tag")
+    if universal and engine.zero_optimization_stage() == 3:
+        _fix_zero3_universal_load(engine, load_dir / tag)
     return client_state
+
+
+def _universal_mismatch(engine, folder: Path) -> str | None:
+    """Why DeepSpeed 0.19.8 cannot load the universal checkpoint ``folder`` into ``engine``."""
+    stage = engine.zero_optimization_stage()
+    if stage == 0:        # DeepSpeed restores universal weights through the ZeRO optimizer only
+        return ("ZeRO-0 cannot load a universal checkpoint (nothing would be restored): set "
+                "zero_optimization.stage to 1-3")
+    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu",
+                       weights_only=False, mmap=True).get("zero_stage")
+    if saved is not None and (int(saved) == 3) != (stage == 3):
+        return (f"converted from a ZeRO-{int(saved)} checkpoint, this run uses ZeRO-{stage}; "
+                f"DeepSpeed loads a ZeRO-3 conversion only into ZeRO-3 and a ZeRO 1-2 one only "
+                f"into ZeRO 1-2: set zero_optimization.stage accordingly")
+    return None
+
+
+def _fix_zero3_universal_load(engine, folder: Path) -> None:
+    """Undo two slips of DeepSpeed 0.19.8's ZeRO-3 universal load
+    (``stage3.py``, ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``):
+
+    - it stores ONE ``step`` tensor in the Adam state of every sub-group; torch's Adam adds 1
+      to it in place per sub-group, so after resuming the bias correction counts each step
+      once per sub-group (losses off by ~1e-4 after 4 steps here);
+    - it gives every parameter group the settings of group 0: our no-decay group (norms,
+      embeddings) would resume with weight decay.
+    """
+    opt = engine.optimizer
+    for fp32 in opt.fp32_partitioned_groups_flat:
+        state = opt.optimizer.state.get(fp32, {})
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu",
+                       weights_only=False, mmap=True)["optimizer_state_dict"]["param_groups"]
+    live = opt.optimizer.param_groups
+    if len(saved) != len(live):
+        raise ValueError(f"universal checkpoint {folder} has {len(saved)} optimizer parameter "
+                         f"groups, this run {len(live)}: resume with the same optimizer settings")
+    for group, settings in zip(live, saved):
+        group.update({k: v for k, v in settings.items() if k != "params"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Universal checkpoints (DeepSpeed's ds_to_universal): how each parameter was cut.
+
+def shard_maps(cfg, tp: int, ep: int, expert_placement: str = "contiguous") -> dict:
+    """``name -> deepspeed.checkpoint.affine.ParamAffineMap`` over the tp x ep model-parallel
+    ranks (mp rank = ep_rank * tp + tp_rank, DeepSpeed's ``mp_rank_XX``).
+
+    Built from every parameter's ``shard_spec`` at each (tp_rank, ep_rank) on the meta device.
+    A piece is a box of the full tensor: one run of consecutive indices per dimension; the
+    pieces of a replicated parameter name every rank that holds them.
+    """
+    import itertools
+
+    from deepspeed.checkpoint.affine import AffinePiece, ParamAffineMap
+
+    from model import Transformer
+    from model.parallel.groups import ParallelGroups
+
+    def strides(shape):
+        out, acc = [], 1
+        for n in reversed(shape):
+            out.append(acc)
+            acc *= n
+        return tuple(reversed(out))
+
+    def runs(values):        # [(source start, shard start, length)] of consecutive indices
+        out = []
+        for j, v in enumerate(values):
+            if out and v == out[-1][0] + out[-1][2]:
+                out[-1][2] += 1
+            else:
+                out.append([v, j, 1])
+        return out
+
+    boxes: dict[str, dict[int, list]] = {}
+    full_shapes, shard_shapes = {}, {}
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            mp_rank = ep_rank * tp + tp_rank
+            layout = ParallelGroups(tp=tp, ep=ep, tp_rank=tp_rank, ep_rank=ep_rank,
+                                    expert_placement=expert_placement)
+            with torch.device("meta"):
+                model = Transformer(cfg, layout)
+            for name, p in model.named_parameters():
+                index = [list(range(n)) for n in p.full_shape]
+                for dim, idx in p.shard_spec:
+                    index[dim] = [index[dim][i] for i in idx]
+                full_shapes[name] = tuple(p.full_shape)
+                shard_shapes.setdefault(name, {})[mp_rank] = tuple(p.shape)
+                boxes.setdefault(name, {})[mp_rank] = list(itertools.product(*map(runs, index)))
+    maps = {}
+    for name, per_rank in boxes.items():
+        full, holders = full_shapes[name], {}
+        for rank, pieces in per_rank.items():
+            for box in pieces:
+                key = tuple((src, n) for src, _, n in box)
+                holders.setdefault(key, set()).add(rank)
+        fs = strides(full)
+        pieces_by_rank = {}
+        for rank, pieces in per_rank.items():
+            ss = strides(shard_shapes[name][rank])
+            pieces_by_rank[rank] = [AffinePiece(
+                shape=[n for _, _, n in box],
+                source_offset=sum(src * s for (src, _, _), s in zip(box, fs)), source_strides=fs,
+                dest_offset=sum(dst * s for (_, dst, _), s in zip(box, ss)), dest_strides=ss,
+                locations=holders[tuple((src, n) for src, _, n in box)]) for box in pieces]
+        maps[name] = ParamAffineMap(full, shard_shapes[name], pieces_by_rank)
+    return maps
+
+
+def enable_universal_checkpoint(model, groups) -> None:
+    """Describe ``model``'s sharding for DeepSpeed's universal checkpoint.
+
+    Sets ``model.universal_checkpoint_info`` (saved into every checkpoint; ``ds_to_universal``
+    merges the tp x ep shards with its affine maps) and, under tensor/expert parallelism, each
+    parameter's restore map (``ds_autotp_universal_checkpoint_meta``), with which a universal
+    checkpoint loads into this layout: DeepSpeed's own rule (chunk along one dim) cannot cut
+    experts or row-parallel weights.
+    """
+    from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION
+    from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION,
+                                                DS_AUTOTP_UC_META, UNIVERSAL_CHECKPOINT_INFO,
+                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    import re
+    info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    if groups.tp * groups.ep > 1:
+        maps = {n: m.to_dict() for n, m in
+                shard_maps(model.cfg, groups.tp, groups.ep, groups.expert_placement).items()}
+        info[AFFINE_MAP] = {AFFINE_MAP_VERSION: AFFINE_MAP_FORMAT_VERSION,
+                            AFFINE_MAP_PARAMS: {f"^{re.escape(n)}$": m for n, m in maps.items()}}
+        for name, p in model.named_parameters():
+            setattr(p, DS_AUTOTP_UC_META, {"conversion": {"affine_map": maps[name]}})
+    setattr(model, UNIVERSAL_CHECKPOINT_INFO, info)
 
 
 def rng_state() -> dict:

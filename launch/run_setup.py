@@ -32,9 +32,6 @@ CACHE_DIR = REPO / ".cache"
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     par = recipe.parallel
-    if par.pipeline_parallel_size > 1:
-        raise ValueError("parallel.pipeline_parallel_size > 1 is not wired into train.py yet "
-                         "(set it to 1; tensor, expert and data parallelism work)")
     if par.sequence_parallel:
         raise ValueError("parallel.sequence_parallel is not implemented yet (set it to false)")
     return validate_layout(world_size, par.tensor_parallel_size, par.expert_parallel_size,
@@ -57,6 +54,15 @@ def check_layout(recipe: Recipe, ds: dict) -> None:
             "ds_config: ZeRO-0 with bf16/fp16 reports a wrong gradient norm (and clips wrongly) "
             "under tensor/expert parallelism (DeepSpeed's FP16_UnfusedOptimizer skips every "
             "shard on model-parallel ranks > 0): use ds_configs/zero1.json or higher")
+    pp = par.pipeline_parallel_size
+    if pp > 1 and stage > 1:
+        raise ValueError(f"ds_config: zero_optimization.stage ({stage}) with "
+                         f"parallel.pipeline_parallel_size ({pp}): DeepSpeed's pipeline engine "
+                         f"refuses ZeRO-2/3; use ds_configs/zero1.json or zero0.json")
+    if pp > 1 and par.tensor_parallel_size * par.expert_parallel_size > 1:
+        raise ValueError(f"parallel.pipeline_parallel_size ({pp}) with tensor/expert parallelism "
+                         f"is not supported yet: set tensor_parallel_size and "
+                         f"expert_parallel_size to 1 (pipeline x data parallelism works)")
 
 
 def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
@@ -222,7 +228,16 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
 
 
 def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups) -> Transformer:
-    """The model at this rank's layout; every layout starts from the same full weights."""
+    """The model at this rank's layout; every layout starts from the same full weights. With
+    pipeline stages, this rank's layers of a ``launch.pipeline.TransformerPipe``."""
+    if recipe.parallel.pipeline_parallel_size > 1:
+        from launch.pipeline import TransformerPipe
+        init = None
+        if init_from is not None:
+            from safetensors.torch import load_file
+            init = load_file(str(init_from / "model.safetensors"))
+        return TransformerPipe(recipe.model, groups, recipe.train.seed,
+                               recipe.train.activation_checkpointing, init)
     model = Transformer(recipe.model, groups, init_seed=recipe.train.seed)
     if init_from is not None:
         from safetensors.torch import load_file
@@ -246,6 +261,8 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
             return schedules.build_scheduler(our_sched, opt, total_steps)
     # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
     mpu = groups if groups.tp * groups.ep > 1 else None
+    if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)
+        checkpoint.enable_universal_checkpoint(model, groups)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                       optimizer=client_opt, lr_scheduler=lr_scheduler,
                                       config=ds, mpu=mpu)

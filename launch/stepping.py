@@ -78,6 +78,8 @@ class Stepper:
             # DeepSpeed divides the last stage's loss by gas: undo it (see launch/pipeline.py).
             self.model.loss_fn.ce_scale = dp_size * gas / tokens_per_step
             pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
+            if self.zero_stage == 0 and not self.half:
+                pipeline.clip_fp32_with_norm(engine, lambda: self._grad_norm_local)
 
     def monitor_state(self) -> dict:
         return {**self.spikes.state(), "tokens": self.tokens_seen}

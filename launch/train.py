@@ -95,8 +95,6 @@ def train(plan: Plan) -> int:
 
     model = run_setup.build_model(recipe, plan.init_from, ctx.groups)
     engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
-    if rank0:
-        run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
 
     start_step, monitor_state = 0, None
     client = checkpoint.load(engine, ckpt_dir)
@@ -106,6 +104,8 @@ def train(plan: Plan) -> int:
         monitor_state = client["monitor"]
         if rank0:
             print(f"resumed from {ckpt_dir / checkpoint.tag_for_step(start_step)}", flush=True)
+    if rank0:           # after the load: a refused resume must not overwrite the recorded layout
+        run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
     stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, tokens_per_step=(
         plan.ds["train_batch_size"] * recipe.seq_len), monitor_state=monitor_state)
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,

@@ -26,12 +26,12 @@ def env():
 
 
 def launch(run_dir: Path, config: str, nproc: int = 2, extra=(), timeout: int = 300,
-           wait: bool = True):
+           wait: bool = True, steps: int = STEPS):
     """Start ``launch/train.py`` like a user would (torchrun for nproc > 1)."""
     prefix = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(_free_port())] if nproc > 1 else [sys.executable])
     cmd = prefix + ["launch/train.py", "--config", config, "--run-dir", str(run_dir),
-                    "--steps", str(STEPS), "--set", *SMALL, *extra]
+                    "--steps", str(steps), "--set", *SMALL, *extra]
     log = open(run_dir.parent / f"{run_dir.name}.log", "a")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -12,7 +12,9 @@ a double-counted shard moves the loss at step 2 by > 1e-3).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -22,7 +24,7 @@ import torch
 
 from model import MixtralConfig
 from model.parallel.groups import ParallelGroups, local_experts
-from tests.runs import launch, rows
+from tests.runs import ds_variant, launch, rows
 
 # Router jitter draws per-rank noise, which no layout can reproduce: off for parity.
 NO_JITTER = ["model.moe.router_jitter=0.0"]
@@ -60,6 +62,67 @@ def test_layout_matches_the_single_process_control(layout, stage, control, tmp_p
         ours, ctrl = load_run_model(run_dir)[0], load_run_model(control)[0]
         for (name, p), q in zip(ours.named_parameters(), ctrl.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# Pipeline parallelism: DeepSpeed's PipelineEngine (1F1B), ZeRO 0/1 only. The MoE aux losses of
+# the first stage's blocks reach the loss through the stage I/O (launch/pipeline.py).
+PP2 = ["parallel.pipeline_parallel_size=2"]
+
+
+def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
+    # DeepSpeed back-propagates each stage output (hidden, aux sum, z sum) separately, so
+    # gradients differ from the control's by summation order only (fp32 rounding).
+    assert len(got) == len(ref) == 10
+    for a, b in zip(ref, got):
+        for key in ("loss", "grad_norm", "aux_loss", "z_loss", "expert_load_max_over_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), (what, key, a["step"])
+        assert (b["tokens"], b["lr"]) == (a["tokens"], a["lr"])
+    assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_pp2_matches_the_single_process_control(stage, control, tmp_path):
+    run_dir = tmp_path / "run"
+    launch(run_dir, f"ds_configs/zero{stage}_fp32.json", extra=NO_JITTER + PP2)
+    _assert_same_metrics(rows(control), rows(run_dir), ("pp2", stage))
+    evals = [[json.loads(line)["eval_loss"] for line in (d / "metrics.jsonl").open()
+              if "eval_loss" in line] for d in (control, run_dir)]    # via engine.eval_batch
+    assert evals[1] == pytest.approx(evals[0], rel=1e-4) and len(evals[0]) == 2
+
+
+@pytest.mark.parametrize("config, extra", [("zero1_fp32", []),
+                                           ("zero0_fp32", ["model.tie_embeddings=true"])])
+def test_pp2_1f1b_over_four_micro_batches_matches_its_control(config, extra, tmp_path):
+    """Micro-batch 2 x accumulation 4: the 1F1B schedule interleaves forwards and backwards, and
+    DeepSpeed's division of the loss by the accumulation steps is undone exactly. The router
+    losses are per micro-batch, so the control runs the same micro-batches on one process.
+
+    Tied embeddings: the embedding lives on both stages (DeepSpeed sums its gradient between
+    them). Under ZeRO-0 fp32 DeepSpeed's own clipping would count it twice and clip steps it
+    should not (grad norm off by 3e-4 at step 7 here); the trainer clips with its norm instead.
+    """
+    ds = ds_variant(tmp_path, config, train_micro_batch_size_per_gpu=2,
+                    gradient_accumulation_steps=4)
+    launch(tmp_path / "control", ds, nproc=1, extra=NO_JITTER + extra)
+    launch(tmp_path / "pp2", ds, extra=NO_JITTER + extra + PP2)
+    _assert_same_metrics(rows(tmp_path / "control"), rows(tmp_path / "pp2"), (config, extra))
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    ("zero2_fp32", [],
+     r"zero_optimization\.stage \(2\) with parallel\.pipeline_parallel_size \(2\)"),
+    ("zero1_fp32", ["parallel.tensor_parallel_size=2"],
+     r"parallel\.pipeline_parallel_size \(2\) with tensor/expert parallelism is not supported"),
+])
+def test_pp2_refuses_what_deepspeed_pipelines_cannot_run(config, extra, message, tmp_path,
+                                                         monkeypatch, capsys):
+    from launch import train
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rc = train.main(["--config", f"ds_configs/{config}.json", "--run-dir", str(tmp_path / "run"),
+                     "--set", *PP2, *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()
 
 
 def _check_experts(control, run_dir):

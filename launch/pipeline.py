@@ -1,0 +1,287 @@
+"""The transformer as a DeepSpeed ``PipelineModule``, trained with DeepSpeed's 1F1B schedule.
+
+Layers, in order (each built only on the stage that owns it)::
+
+    EmbeddingPipe                      token ids (B, S)          -> (hidden, aux_sum, z_sum)
+    BlockPipe x num_layers             (hidden, aux_sum, z_sum)  -> (hidden, aux_sum, z_sum)
+    HeadPipe (norm + lm_head)          (hidden, aux_sum, z_sum)  -> (logits, aux_sum, z_sum)
+      or, with tied embeddings, FinalNormPipe + the embedding again (``TiedLayerSpec``)
+
+Blocks are spread evenly over the stages (``partition_method="type:BlockPipe"``, as Megatron's
+``type:transformer``); the embedding rides with the first stage, the head with the last.
+
+How the MoE auxiliary losses reach the loss: the stage I/O carries two fp32 scalars, the running
+sums over MoE layers of the load-balancing loss and of the z-loss. Each MoE block adds its layer's
+values (still in the autograd graph), the tensors cross stages like the hidden state, and the
+last stage's ``PipelineLoss`` turns them into the router loss. DeepSpeed sends back a gradient
+for every floating-point input of a stage and asserts that it exists, so both sums are always in
+the graph: the embedding creates them as zeros derived from its output, and the loss uses them
+even for dense models (times 0).
+
+Exactness (DESIGN.md section 5): the non-pipeline trainer back-propagates, per micro-batch,
+``ce_sum * dp / step_tokens + router_loss / gas``. DeepSpeed's pipeline divides the last stage's
+loss by the accumulation steps (``engine.backward`` with ``scale_wrt_gas=True``) and averages
+gradients over data-parallel ranks, so ``PipelineLoss`` returns
+``ce_sum * (dp * gas / step_tokens) + router_loss``: the same gradient, up to fp32 summation
+order (DeepSpeed back-propagates each stage output separately, so a parameter's gradient on an
+earlier stage is summed in another order; tests/parallel/test_train_layouts.py holds 1e-4).
+Under fp32 ZeRO-0, gradients are clipped with the trainer's norm (``clip_fp32_with_norm``).
+
+Statistics: the loss and every MoE layer stash detached per-micro-batch values on this rank;
+``TransformerPipe.add_step_stats`` fills the trainer's statistics vector, which the trainer sums
+over the batch group and the pipeline group (each value lives on exactly one stage).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from model.config import TransformerConfig
+from model.parallel.groups import ParallelGroups
+from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
+from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, blocks_to_checkpoint,
+                               init_weights)
+
+
+def _load(module: nn.Module, init: dict | None) -> None:
+    # Parameter names are the Transformer's, so an init state dict loads by key.
+    if init is not None:
+        module.load_state_dict({k: init[k] for k in module.state_dict()}, strict=True)
+
+
+class EmbeddingPipe(nn.Module):
+    """First layer: token ids -> (hidden, aux_sum, z_sum); also the tied head (``unembed``)."""
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
+        init_weights(self, cfg, seed)
+        _load(self, init)
+
+    def forward(self, input_ids: torch.Tensor):
+        x = self.embed_tokens(input_ids)                                    # (B, S, H)
+        # Zeros inside the autograd graph (a sum over no elements of x): DeepSpeed runs backward
+        # on every floating-point stage output, so the sums must require grad even on a stage
+        # without MoE layers.
+        zero = x.flatten()[:0].sum().float()
+        return x, zero, zero.clone()
+
+
+def unembed(embedding: EmbeddingPipe, inputs):
+    """``forward_fn`` of the tied head: logits from the shared embedding weight."""
+    x, aux_sum, z_sum = inputs
+    return embedding.embed_tokens(x, unembed=True), aux_sum, z_sum                # (B, S, V)
+
+
+class BlockPipe(nn.Module):
+    """One transformer block; adds its MoE layer's losses to the carried sums.
+
+    The block sits in ``self.layers[str(layer_idx)]`` so that parameter names are the
+    Transformer's (``layers.N.*``): the same init draws, ``--init-from`` keys and checkpoint keys.
+    """
+
+    def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups, seed: int,
+                 checkpointing: str = "none", init=None):
+        super().__init__()
+        block = Block(cfg, layer_idx, groups)
+        block.set_checkpointing(checkpointing)
+        self.layers = nn.ModuleDict({str(layer_idx): block})
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.checkpoint_whole = layer_idx in blocks_to_checkpoint(checkpointing, cfg.num_layers)
+        self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_idx))   # row in the stats
+        self.moe_stats: list = []       # detached MoEAux fields per micro-batch, for the trainer
+        init_weights(self, cfg, seed)
+        _load(self, init)
+
+    @property
+    def block(self) -> Block:
+        return next(iter(self.layers.values()))
+
+    def forward(self, inputs):
+        x, aux_sum, z_sum = inputs
+        rope = self.rotary(x.shape[1], x.device, x.dtype)
+        if self.checkpoint_whole and self.training:
+            x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, use_reentrant=False)
+        else:
+            x, aux = self.block(x, rope)
+        if aux is not None:
+            aux_sum = aux_sum + aux.aux_loss
+            z_sum = z_sum + aux.z_loss
+            self.moe_stats.append([t.detach() for t in (aux.aux_loss, aux.z_loss, aux.entropy,
+                                                        aux.dropped_frac, aux.tokens_per_expert)])
+        return x, aux_sum, z_sum
+
+
+class FinalNormPipe(nn.Module):
+    """The final RMSNorm (before a tied head)."""
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
+        init_weights(self, cfg, seed)
+        _load(self, init)
+
+    def forward(self, inputs):
+        x, aux_sum, z_sum = inputs
+        return self.norm(x), aux_sum, z_sum
+
+
+class HeadPipe(nn.Module):
+    """The final RMSNorm and the untied output head."""
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
+        init_weights(self, cfg, seed)
+        _load(self, init)
+
+    def forward(self, inputs):
+        x, aux_sum, z_sum = inputs
+        return self.lm_head(self.norm(x)), aux_sum, z_sum                          # (B, S, V)
+
+
+class PipelineLoss:
+    """``loss_fn`` of the last stage: the trainer's objective for one micro-batch.
+
+    Returns ``ce_sum * ce_scale + router_loss``, ``ce_scale = dp * gas / step_tokens`` (set by
+    the trainer, see the module docstring), and keeps ``[ce_sum, target_tokens, loss]`` per
+    micro-batch (detached) for the statistics.
+    """
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups):
+        self.moe, self.num_moe_layers = cfg.moe, cfg.num_moe_layers
+        self.groups = groups
+        self.vocab_start = groups.tp_rank * cfg.vocab_size // groups.tp
+        self.ce_scale: float | None = None
+        self.records: list[torch.Tensor] = []
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        logits, aux_sum, z_sum = outputs
+        ce_sum = cross_entropy_sum(logits, labels, self.groups, self.vocab_start, IGNORE_INDEX)
+        if self.moe is None:          # keep the carried sums in the graph (see module docstring)
+            router = 0.0 * (aux_sum + z_sum)
+        else:                         # means over MoE layers, as Transformer.router_loss
+            router = (self.moe.aux_loss_coef * (aux_sum / self.num_moe_layers)
+                      + self.moe.z_loss_coef * (z_sum / self.num_moe_layers))
+        loss = ce_sum * self.ce_scale + router
+        self.records.append(torch.stack([ce_sum.detach().double(),
+                                         (labels != IGNORE_INDEX).sum().double(),
+                                         loss.detach().double()]))
+        return loss
+
+
+class TransformerPipe(PipelineModule):
+    """The pipeline form of ``model.Transformer`` (see the module docstring).
+
+    Args:
+        cfg: the model config.
+        groups: this rank's process groups; pipeline x data (x tp x ep) in the rank order of
+            ``model/parallel/groups.py``, which is DeepSpeed's ``PipeModelDataParallelTopology``.
+        seed: weight-init seed (the same full weights as ``Transformer(cfg, init_seed=seed)``).
+        checkpointing: ``train.activation_checkpointing`` policy.
+        init: optional full state dict (``--init-from``), keyed as the Transformer's.
+    """
+
+    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int,
+                 checkpointing: str = "none", init: dict | None = None):
+        args = (cfg, groups, seed)
+        layers = [TiedLayerSpec("embed", EmbeddingPipe, *args, init=init,
+                                tied_weight_attr=["embed_tokens.weight"])
+                  if cfg.tie_embeddings else LayerSpec(EmbeddingPipe, *args, init=init)]
+        layers += [LayerSpec(BlockPipe, cfg, i, groups, seed, checkpointing, init=init)
+                   for i in range(cfg.num_layers)]
+        if cfg.tie_embeddings:
+            layers += [LayerSpec(FinalNormPipe, *args, init=init),
+                       TiedLayerSpec("embed", EmbeddingPipe, *args, init=init, forward_fn=unembed,
+                                     tied_weight_attr=["embed_tokens.weight"])]
+        else:
+            layers.append(LayerSpec(HeadPipe, *args, init=init))
+        topology = PipeModelDataParallelTopology(num_pp=groups.pp, num_mp=groups.tp * groups.ep,
+                                                 num_dp=groups.dp)
+        super().__init__(layers=layers, topology=topology, loss_fn=PipelineLoss(cfg, groups),
+                         partition_method="type:BlockPipe")
+        coord = topology.get_coord(self.global_rank)
+        assert (coord.pipe, coord.data) == (groups.pp_rank, groups.dp_rank), "rank layouts differ"
+        self.cfg = cfg
+
+    def _blocks(self) -> list[BlockPipe]:
+        return [m for m in self.forward_funcs if isinstance(m, BlockPipe)]
+
+    def reset_stats(self) -> None:
+        """Forget the stashed per-micro-batch values (before each step and evaluation)."""
+        self.loss_fn.records.clear()
+        for block in self._blocks():
+            block.moe_stats.clear()
+
+    def add_step_stats(self, stats: torch.Tensor, gas: int) -> None:
+        """Add this rank's values to the trainer's vector ``[ce_sum, target_tokens, nonfinite,
+        aux, z, entropy, dropped, counts (L_moe x E)]`` (router values as means over MoE layers
+        and micro-batches, as ``Stepper._accumulate``). No communication."""
+        for record in self.loss_fn.records:
+            ce_sum, tokens, loss = record.tolist()
+            stats[0] += ce_sum
+            stats[1] += tokens
+            stats[2] += 0 if math.isfinite(loss) else 1
+        num_moe = self.cfg.num_moe_layers
+        for block in self._blocks():
+            for aux, z, entropy, dropped, counts in block.moe_stats:
+                for i, value in enumerate((aux, z, entropy, dropped)):
+                    stats[3 + i] += value.item() / num_moe / gas
+                row = 7 + block.moe_index * counts.numel()
+                stats[row:row + counts.numel()] += counts.double().cpu()
+
+    def eval_sums(self) -> torch.Tensor:
+        """``[ce_sum, target_tokens]`` of the stashed micro-batches (zeros off the last stage)."""
+        sums = torch.zeros(2, dtype=torch.float64)
+        for record in self.loss_fn.records:
+            sums += record[:2].cpu()
+        return sums
+
+
+def before_optimizer_step(engine, fn) -> None:
+    """Call ``fn()`` inside every ``engine.train_batch``, after the last backward and the
+    gradient reductions, before clipping and the optimizer step (on every rank).
+
+    ``train_batch`` runs the whole step, so this is where the trainer takes the step's loss, its
+    skip decision (lr 0) and, at ZeRO-0 fp32, the gradient norm before clipping -- what the
+    non-pipeline trainer does between its last backward and ``engine.step()``. It wraps the
+    engine's ``_take_model_step`` (DeepSpeed 0.19.8's PipelineEngine calls it from its
+    OptimizerStep instruction).
+    """
+    take_step = engine._take_model_step
+
+    def hooked(*args, **kwargs):
+        fn()
+        return take_step(*args, **kwargs)
+    engine._take_model_step = hooked
+
+
+def clip_fp32_with_norm(engine, norm_fn) -> None:
+    """Make the engine's fp32 ZeRO-0 gradient clipping use ``norm_fn()``, the trainer's norm.
+
+    DeepSpeed 0.19.8 clips fp32 ZeRO-0 gradients with ``runtime/utils.clip_grad_norm_``, which
+    ignores ``ds_pipe_replicated``: a tied weight counts once per stage that holds it, so with
+    tied embeddings it clips steps whose true norm is below the threshold (measured: a tiny
+    Mixtral with norm 0.87 clipped at step 3). Same rule, ``min(1, clip / (norm + 1e-6))``, with
+    the norm that counts every weight once; ``norm_fn()`` returns None on a skipped step (grads
+    zeroed). Its ZeRO-1 and bf16 optimizers count tied weights once already.
+    """
+    max_norm = engine.gradient_clipping()
+
+    def clip():
+        norm = norm_fn()
+        if norm is None or max_norm <= 0:
+            return
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in engine.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    engine.clip_fp32_gradients = clip

@@ -1,0 +1,175 @@
+"""Resume a checkpoint at another layout through DeepSpeed's universal checkpoint.
+
+A run trains to step 5 and stops, ``launch/to_universal.py`` converts its checkpoint, and the
+same command resumes at the new layout with ``"checkpoint": {"load_universal": true}`` to step
+10; its losses must continue those of an uninterrupted run at the old layout.
+
+The scheduler's lengths are explicit in the JSON (not "auto"), so ``--steps 5`` and then
+``--steps 10`` follow the 10-step schedule of the control. The global batch is the same on both
+sides (2 ranks x micro 8 -> 1 rank x micro 8 x accumulation 2), so the data order continues.
+
+Tolerance: fp32. The conversion itself is exact (fp32 master weights and Adam moments are copied,
+not recomputed); the new layout only sums the same gradients in another order (two micro-batches
+on one rank instead of an all-reduce over two; split matmuls under tp/ep), ~1e-7 relative per
+op. Relative 1e-6 on the losses of steps 6-10 fails on any lost state: resuming with fresh Adam
+moments, a reset Adam step or a wrong weight shard moves the step-7 loss by > 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.runs import REPO, env, launch, rows
+
+NO_JITTER = ["model.moe.router_jitter=0.0"]   # per-rank noise: no other layout can reproduce it
+SAVE5 = ["train.save_every=5"]
+
+
+def _config(tmp, name: str, base: str = "zero2_fp32", **changes) -> str:
+    """ds_configs/<base>.json with a fixed 10-step schedule, plus ``changes``."""
+    cfg = json.loads((REPO / "ds_configs" / f"{base}.json").read_text())
+    cfg["scheduler"]["params"].update(total_num_steps=10, warmup_num_steps=2)
+    cfg.update(changes)
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _to_universal(run_dir):
+    return subprocess.run([sys.executable, "launch/to_universal.py", "--run-dir", str(run_dir)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+
+
+def _assert_continues(ref: list[dict], got: list[dict]) -> None:
+    assert [r["step"] for r in got] == list(range(1, 11))
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), a["step"]
+        assert (b["lr"], b["tokens"]) == (a["lr"], a["tokens"]), a["step"]
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """2 data-parallel ranks, ZeRO-2: the uninterrupted control and a run stopped at step 5."""
+    tmp = tmp_path_factory.mktemp("dp2")
+    config = _config(tmp, "zero2")
+    launch(tmp / "control", config, extra=NO_JITTER + SAVE5)
+    launch(tmp / "stopped", config, extra=NO_JITTER + SAVE5, steps=5)
+    return tmp, config
+
+
+def test_dp2_to_one_rank_resumes_exactly_through_ds_to_universal(dp2, tmp_path):
+    tmp, _ = dp2
+    run_dir = tmp_path / "run"
+    shutil.copytree(tmp / "stopped", run_dir)
+    out = _to_universal(run_dir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    universal = run_dir / "checkpoints" / "universal"
+    assert (universal / "latest_universal").read_text() == "step00000005"
+    assert (universal / "step00000005" / "zero" / "norm.weight" / "exp_avg.pt").is_file()
+
+    resume = _config(tmp_path, "acc2", gradient_accumulation_steps=2,
+                     checkpoint={"load_universal": True})
+    # eval.batches counts micro-batches per rank: 4 x 8 on one rank = 2 x 8 on each of two.
+    one_rank = NO_JITTER + SAVE5 + ["eval.batches=4"]
+    launch(run_dir, resume, nproc=1, extra=one_rank)
+    log = (tmp_path / "run.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000005'}" in log
+    _assert_continues(rows(tmp / "control"), rows(run_dir))
+    evals = [[r["eval_loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+              if "eval_loss" in r] for d in (tmp / "control", run_dir)]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-6) and len(evals[1]) == 2
+
+    # The resumed run saved step 10 at its own layout: the same command now resumes from that
+    # native checkpoint, not from the older conversion (and has nothing left to train).
+    launch(run_dir, resume, nproc=1, extra=one_rank)
+    log = (tmp_path / "run.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000010'}" in log
+    assert len(rows(run_dir)) == 10
+
+
+def test_resuming_at_another_layout_without_conversion_is_one_line(dp2, tmp_path):
+    tmp, config = dp2
+    run_dir = tmp_path / "run"
+    shutil.copytree(tmp / "stopped", run_dir)
+    proc = launch(run_dir, config, nproc=1, extra=NO_JITTER + SAVE5, wait=False)
+    assert proc.wait(timeout=300) == 2
+    log = (tmp_path / "run.log").read_text().splitlines()
+    errors = [ln for ln in log if ln.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert "data-parallel size 2" in errors[0] and "launch/to_universal.py" in errors[0]
+
+
+LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2"], "ep2": ["parallel.expert_parallel_size=2"]}
+
+
+@pytest.mark.parametrize("base, source, target", [("zero1_fp32", "ep2", "tp2"),
+                                                  ("zero3_fp32", "tp2", "ep2")])
+def test_model_parallel_change_resumes_exactly(base, source, target, tmp_path):
+    """Experts split over ep (dim 0) <-> every weight split over tp (column dim 0, row dim 1):
+    the shards merge by the affine maps built from each parameter's ``shard_spec`` and are cut
+    again for the new ranks. dp = 1 on both sides: global batch 8. ZeRO-3 also needs the
+    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (launch/checkpoint.py)."""
+    config = _config(tmp_path, base, base=base)
+    launch(tmp_path / "control", config, extra=NO_JITTER + LAYOUTS[source])
+    run_dir = tmp_path / "run"
+    launch(run_dir, config, extra=NO_JITTER + LAYOUTS[source] + SAVE5, steps=5)
+    out = _to_universal(run_dir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    resume = _config(tmp_path, f"{base}_universal", base=base, checkpoint={"load_universal": True})
+    launch(run_dir, resume, extra=NO_JITTER + LAYOUTS[target] + SAVE5)
+    _assert_continues(rows(tmp_path / "control"), rows(run_dir))
+
+
+@pytest.mark.parametrize("tp, ep, placement", [(2, 1, "contiguous"), (1, 2, "contiguous"),
+                                                (2, 2, "round_robin"), (4, 1, "contiguous")])
+def test_shard_maps_cut_and_merge_every_parameter_like_its_shard_spec(tp, ep, placement):
+    from launch.checkpoint import shard_maps
+    from model import Transformer
+    from model.parallel.groups import ParallelGroups
+    from model.parallel.layers import take_shard
+    from launch.recipe import load_recipe
+    from tests.runs import SMALL
+    cfg = load_recipe(None, SMALL).model
+    full = {n: p.detach() for n, p in Transformer(cfg, None, init_seed=3).named_parameters()}
+    maps = shard_maps(cfg, tp, ep, placement)
+    specs = {}
+    for e in range(ep):
+        for t in range(tp):
+            with torch.device("meta"):
+                model = Transformer(cfg, ParallelGroups(tp=tp, ep=ep, tp_rank=t, ep_rank=e,
+                                                        expert_placement=placement))
+            specs[e * tp + t] = {n: p.shard_spec for n, p in model.named_parameters()}
+    assert maps.keys() == full.keys()
+    for name, m in maps.items():
+        shards = {r: take_shard(full[name], specs[r][name]) for r in specs}
+        for r, shard in shards.items():
+            assert torch.equal(m.extract(full[name], r), shard), (name, r)
+        assert torch.equal(m.rebuild(shards), full[name]), name
+
+
+def test_to_universal_errors_are_one_line(tmp_path):
+    def run(*args):
+        out = subprocess.run([sys.executable, "launch/to_universal.py", *args], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=120)
+        return out.returncode, out.stderr.strip()
+
+    rc, err = run("--run-dir", str(tmp_path / "missing"))
+    assert rc == 2 and len(err.splitlines()) == 1 and "no config.json" in err, err
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step00000005").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"recipe": {"model": {"family": "mixtral"}}, "ds_config": {}}))
+    rc, err = run("--run-dir", str(run_dir))
+    assert rc == 2 and len(err.splitlines()) == 1 and "no complete checkpoint" in err, err
+    (run_dir / "checkpoints" / "latest").write_text("step00000005")
+    torch.save({"module": {}},
+               run_dir / "checkpoints" / "step00000005" / "mp_rank_00_model_states.pt")
+    rc, err = run("--run-dir", str(run_dir))
+    assert rc == 2 and len(err.splitlines()) == 1 and "ZeRO-0" in err, err
