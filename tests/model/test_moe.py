@@ -203,3 +203,23 @@ def test_switch_family_places_moe_every_other_block():
     assert cfg.moe.top_k == 1 and cfg.moe.normalize_top_k is False
     assert cfg.moe.capacity(100, training=True) == math.ceil(100 / 8 * 1.25)
     assert cfg.moe.capacity(100, training=False) == math.ceil(100 / 8 * 2.0)
+
+
+def test_grouped_mm_fallback_is_narrow_and_out_of_memory_is_not_swallowed(monkeypatch):
+    from model.moe import experts
+    counts = torch.tensor([2, 3])
+    x, w = torch.randn(5, 16), torch.randn(2, 16, 8)
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory")
+    monkeypatch.setattr(experts, "_GROUPED_MM", oom)
+    monkeypatch.setattr(experts, "_UNSUPPORTED", set())
+    with pytest.raises(torch.OutOfMemoryError):
+        experts.grouped_mm(x, w, counts)
+    assert experts._UNSUPPORTED == set()        # an OOM does not switch the kernel off
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("strides should be multiple of 16 bytes")
+    monkeypatch.setattr(experts, "_GROUPED_MM", unsupported)
+    torch.testing.assert_close(experts.grouped_mm(x, w, counts), _looped_mm(x, w, counts))
+    assert experts._UNSUPPORTED == {("cpu", torch.float32, True)}
