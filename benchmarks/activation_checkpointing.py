@@ -32,7 +32,6 @@ import platform
 import statistics
 import sys
 import time
-import weakref
 
 import torch
 
@@ -66,22 +65,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def saved_bytes(model: Transformer, ids: torch.Tensor, labels: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saved in the forward and still holds at its end."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, list] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), []).append((weakref.ref(t), storage.nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, labels)
-    alive = [v for v in seen.values() if any(ref() is not None for ref, _ in v)]
-    del out
-    return sum(max(n for _, n in v) for v in alive)
 
 
 def train_step(model: Transformer, ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -111,7 +94,7 @@ def bench_model(name: str, args) -> list[dict]:
         est = mm.activation_bytes(cfg, mm.Layout(1), micro, seq, a, policy)
         rows[policy] = {"model": name, "policy": policy, "params": cfg.num_params(),
                         "hidden": cfg.hidden_size, "layers": cfg.num_layers, "seq": seq,
-                        "micro_batch": micro, "saved": saved_bytes(model, ids, labels),
+                        "micro_batch": micro, "saved": mm.saved_activation_bytes(model, ids, labels),
                         "estimate_saved": est["saved"], "estimate_recompute": est["recompute"],
                         "times": []}
     for r in range(args.warmup + args.repeats):

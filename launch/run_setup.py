@@ -9,6 +9,7 @@ import platform
 import socket
 import subprocess
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -256,9 +257,8 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     param_groups = optim.param_groups(model, wd)
     client_opt, ds = optim.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
     lr_scheduler = None
-    if our_sched is not None:
-        def lr_scheduler(opt):
-            return schedules.build_scheduler(our_sched, opt, total_steps)
+    if our_sched is not None:      # DeepSpeed calls it with the optimizer it built
+        lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
     # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
     mpu = groups if groups.tp * groups.ep > 1 else None
     if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)

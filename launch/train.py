@@ -18,10 +18,8 @@ The loop is one straight line: recipe -> process groups -> data -> model -> deep
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 

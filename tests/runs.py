@@ -62,3 +62,19 @@ def ds_variant(tmp: Path, name: str, **changes) -> str:
     return str(path)
 
 
+def kill_after_step(proc, run_dir: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL every process of a run once its metrics.jsonl shows ``step`` (a crash mid-run)."""
+    import signal
+    import time
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and f'"step": {step},' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    # torchrun puts its workers in their own sessions: kill every process of this run.
+    os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", str(run_dir)], check=False)
+    proc.wait()
+    time.sleep(1)

@@ -19,11 +19,12 @@ import signal
 import socket
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
+
+from launch.memory_model import saved_activation_bytes
 
 from launch import estimate_memory as em
 from launch import memory_model as mm
@@ -124,23 +125,6 @@ def test_measured_model_states_match_the_estimate(measured_states, name):
 # ---------------------------------------------------------------------------------------------
 # Activations autograd saves.
 
-def saved_activation_bytes(model, input_ids, labels) -> int:
-    """Bytes of distinct storages autograd saved during the forward and still holds at its end
-    (a graph that was detached, e.g. router entropy, is freed), parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, list] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), []).append((weakref.ref(t), storage.nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids, labels)
-    alive = [v for v in seen.values() if any(ref() is not None for ref, _ in v)]
-    del out
-    return sum(max(n for _, n in v) for v in alive)
 
 
 @pytest.fixture

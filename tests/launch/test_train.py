@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.runs import REPO, STEPS, launch, rows
+from tests.runs import REPO, STEPS, kill_after_step, launch, rows
 from tests.runs import env as _env
 from tests.runs import ds_variant as _fp32_config
 
@@ -120,19 +118,7 @@ def test_accumulation_is_exact(tmp_path):
 def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_path):
     run_dir = tmp_path / "killed"
     args = ["train.save_every=3"]
-    proc = launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and any(json.loads(x).get("step") == 8 for x in metrics.read_text().splitlines() if x.strip()):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    # torchrun puts its workers in their own sessions: kill every process of this run.
-    os.killpg(proc.pid, signal.SIGKILL)
-    subprocess.run(["pkill", "-KILL", "-f", str(run_dir)], check=False)
-    proc.wait()
-    time.sleep(1)
+    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False), run_dir, 8)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000006"
     launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
     log = (tmp_path / "killed.log").read_text()

@@ -13,18 +13,14 @@ a double-counted shard moves the loss at step 2 by > 1e-3).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
 from model import MixtralConfig
 from model.parallel.groups import ParallelGroups, local_experts
-from tests.runs import ds_variant, launch, rows
+from tests.runs import ds_variant, kill_after_step, launch, rows
 
 # Router jitter draws per-rank noise, which no layout can reproduce: off for parity.
 NO_JITTER = ["model.moe.router_jitter=0.0"]
@@ -148,18 +144,7 @@ def test_ep2_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     launch(full, "ds_configs/zero2_fp32.json", extra=extra)
     run_dir = tmp_path / "killed"
-    proc = launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra, wait=False)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and '"step": 7,' in metrics.read_text():
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    subprocess.run(["pkill", "-KILL", "-f", str(run_dir)], check=False)
-    proc.wait()
-    time.sleep(1)
+    kill_after_step(launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra, wait=False), run_dir, 7)
     launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra)
     for a, b in zip(rows(full), rows(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
