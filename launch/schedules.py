@@ -174,6 +174,14 @@ def _cycle_position(d: int, first: int, mult: float) -> Tuple[int, int, int]:
     return index, d, length
 
 
+def _our_type(sched_cfg: dict) -> str:
+    sched_type = sched_cfg.get("type")
+    if sched_type not in OUR_SCHEDULERS:
+        raise ValueError(f"ds_config.scheduler.type: {sched_type!r} is not one of ours "
+                         f"(use one of {list(OUR_SCHEDULERS)}, or let DeepSpeed build its own)")
+    return sched_type
+
+
 def lr_multiplier(sched_cfg: dict, total_steps: int) -> Callable[[int], float]:
     """The multiplier of the base lr at each step, as a pure function of the step.
 
@@ -187,10 +195,7 @@ def lr_multiplier(sched_cfg: dict, total_steps: int) -> Callable[[int], float]:
     Raises:
         ValueError: unknown type, unknown or out-of-range parameter.
     """
-    sched_type = sched_cfg.get("type")
-    if sched_type not in OUR_SCHEDULERS:
-        raise ValueError(f"ds_config.scheduler.type: {sched_type!r} is not one of ours "
-                         f"(use one of {list(OUR_SCHEDULERS)}, or let DeepSpeed build its own)")
+    sched_type = _our_type(sched_cfg)
     p = _resolve_ours(sched_type, sched_cfg.get("params") or {}, total_steps)
     T, W = p["total_num_steps"], p["warmup_num_steps"]
     wmin, floor = p["warmup_min_ratio"], p["min_ratio"]
@@ -256,10 +261,7 @@ def validate_scheduler(sched_cfg: dict) -> None:
     Raises:
         ValueError: unknown type, unknown or out-of-range parameter.
     """
-    sched_type = sched_cfg.get("type")
-    if sched_type not in OUR_SCHEDULERS:
-        raise ValueError(f"ds_config.scheduler.type: {sched_type!r} is not one of ours "
-                         f"(use one of {list(OUR_SCHEDULERS)})")
+    sched_type = _our_type(sched_cfg)
     params = sched_cfg.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"ds_config.scheduler.params: {params!r} must be an object (write {{\"key\": value}})")

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.parallel.groups import ParallelGroups, local_experts
-from model.parallel.layers import even_slice, shard_param
+from model.parallel.layers import check_tp_divides, even_slice, shard_param
 
 # (device type, dtype, 16-byte aligned) cases where the grouped kernel has been seen to fail;
 # filled lazily so that the fallback costs one failed call per process, not one per step.
@@ -84,9 +84,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         g = self.groups = groups or ParallelGroups()
         self.expert_ids = local_experts(num_experts, g)
-        if ffn_hidden_size % g.tp:
-            raise ValueError(f"model.ffn_hidden_size ({ffn_hidden_size}) is not divisible by "
-                             f"parallel.tensor_parallel_size ({g.tp})")
+        check_tp_divides("model.ffn_hidden_size", ffn_hidden_size, g.tp)
         self.num_experts = len(self.expert_ids)
         inner = even_slice(ffn_hidden_size, g.tp, g.tp_rank)
         sharded = tuple(a for a, n in (("tp", g.tp), ("ep", g.ep)) if n > 1)

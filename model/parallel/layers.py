@@ -60,6 +60,13 @@ def replicated(param: nn.Parameter, groups: ParallelGroups | None) -> nn.Paramet
     return shard_param(param, groups, tuple(param.shape), [], ())
 
 
+def check_tp_divides(name: str, value: int, tp: int, fix: str = "") -> None:
+    """Raise the one-line error for a size that tensor parallelism cannot split evenly."""
+    if value % tp:
+        raise ValueError(f"{name} ({value}) is not divisible by parallel.tensor_parallel_size "
+                         f"({tp}): {fix or f'choose a tensor_parallel_size that divides {value}'}")
+
+
 def _sizes(groups):
     g = groups or ParallelGroups()
     return g, g.tp, g.tp_rank
@@ -85,9 +92,7 @@ class ColumnParallelLinear(nn.Module):
         # gradient must then be summed over tp.
         self.replicated_over_tp = out_index is not None and len(out_index) == out_features and tp > 1
         if out_index is None:
-            if out_features % tp:
-                raise ValueError(f"output size {out_features} is not divisible by "
-                                 f"parallel.tensor_parallel_size ({tp})")
+            check_tp_divides("output size", out_features, tp)
             out_index = even_slice(out_features, tp, rank)
         self.weight = nn.Parameter(torch.empty(len(out_index), in_features))
         sharded = ("tp",) if len(out_index) < out_features else ()
@@ -111,9 +116,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         g, tp, rank = _sizes(groups)
         self.groups = g
-        if in_features % tp:
-            raise ValueError(f"input size {in_features} is not divisible by "
-                             f"parallel.tensor_parallel_size ({tp})")
+        check_tp_divides("input size", in_features, tp)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         shard_param(self.weight, g, (out_features, in_features),
                     [(1, even_slice(in_features, tp, rank))], ("tp",) if tp > 1 else ())
@@ -135,9 +138,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         g, tp, rank = _sizes(groups)
         self.groups = g
-        if vocab_size % tp:
-            raise ValueError(f"model.vocab_size ({vocab_size}) is not divisible by "
-                             f"parallel.tensor_parallel_size ({tp}): pad the vocabulary")
+        check_tp_divides("model.vocab_size", vocab_size, tp, "pad the vocabulary")
         self.start, self.end = rank * vocab_size // tp, (rank + 1) * vocab_size // tp
         self.weight = nn.Parameter(torch.empty(vocab_size // tp, hidden_size))
         shard_param(self.weight, g, (vocab_size, hidden_size),
@@ -232,9 +233,7 @@ def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]
     """
     g, tp, rank = _sizes(groups)
     if num_kv_heads >= tp:
-        if num_kv_heads % tp:
-            raise ValueError(f"model.num_kv_heads ({num_kv_heads}) is not divisible by "
-                             f"parallel.tensor_parallel_size ({tp})")
+        check_tp_divides("model.num_kv_heads", num_kv_heads, tp)
         return even_slice(num_kv_heads, tp, rank), None
     if tp % num_kv_heads:
         raise ValueError(f"parallel.tensor_parallel_size ({tp}) is not divisible by "
@@ -248,5 +247,5 @@ def local_size(total: int, groups) -> int:
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "cross_entropy_sum", "init_from_full", "kv_heads_for_rank", "replicated", "shard_param",
+           "check_tp_divides", "cross_entropy_sum", "init_from_full", "kv_heads_for_rank", "replicated", "shard_param",
            "take_shard", "local_size", "even_slice", "math"]
