@@ -4,8 +4,8 @@ Hardware: any CPU; 2 gloo ranks on 127.0.0.1 (about 15 s on 2 cores with the def
 Launch:   python benchmarks/comm_volume.py                                  # defaults below
           python benchmarks/comm_volume.py --batch 8 --seq 64 --hidden 128 --json comm.json
 
-Layouts: TP2 dense (kv heads >= tp), TP2 dense with 1 kv head (replicated over tp), TP2 Mixtral and
-EP2 Mixtral (dropless, top-2); scopes: one transformer block (input requiring grad, as inside a
+Layouts: TP2 dense (kv heads >= tp), TP2 dense with 1 kv head (replicated over tp), TP2 Mixtral,
+the TP2 dense and Mixtral again with sequence parallelism, and EP2 Mixtral (dropless, top-2); scopes: one transformer block (input requiring grad, as inside a
 model) and a whole ``--layers``-layer model with its loss. While a step runs, the
 ``torch.distributed`` collectives that ``model/parallel/`` calls are wrapped to record (op, phase,
 elements, bytes), and the ``comm`` helpers are wrapped only to name the call site (module, and for
@@ -17,6 +17,10 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   down projection, and one backward each for the gradients entering q/k/v and gate/up; at model
   scope also the vocab-parallel embedding (forward), the output head's input gradient (backward)
   and the cross-entropy statistics (max, then target logit + sum of exponentials: 3*b*s).
+* TP with sequence parallelism (Megatron SP): each all-reduce becomes a reduce-scatter of the same
+  b*s*h tensor plus an all-gather of this rank's b*s*h/tp shard, at the same places (a ring
+  all-reduce *is* a reduce-scatter then an all-gather, so the bytes on the wire are the same);
+  the norms' weight gradients are summed over tp once per backward (per parameter, like sync_grad).
 * EP: dispatch and combine each move exactly the routed rows (sum of tokens_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
@@ -59,7 +63,11 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
                "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
 # model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
 HELPERS = ("copy_to_region", "reduce_from_region", "gather_last_dim", "all_to_all", "sync_grad",
-           "all_to_all_counts", "all_reduce_sum", "all_reduce_max")
+           "all_to_all_counts", "all_reduce_sum", "all_reduce_max", "gather_sequence",
+           "reduce_scatter_sequence")
+# Helpers whose backward issues the conjugate collective (labelled like the forward call).
+CONJUGATE = ("copy_to_region", "sync_grad", "all_to_all", "gather_sequence",
+             "reduce_scatter_sequence")
 
 
 @dataclass(frozen=True)
@@ -80,9 +88,11 @@ class Sizes:
     activation_checkpointing: str = "none"   # Transformer.set_activation_checkpointing policy
 
 
-# name, tp, ep, family, kv heads (None: Sizes.kv_heads)
-LAYOUTS = (("tp2/dense", 2, 1, "dense", None), ("tp2/dense-kv1", 2, 1, "dense", 1),
-           ("tp2/mixtral", 2, 1, "mixtral", None), ("ep2/mixtral", 1, 2, "mixtral", None))
+# name, tp, ep, family, kv heads (None: Sizes.kv_heads), sequence parallelism
+LAYOUTS = (("tp2/dense", 2, 1, "dense", None, False), ("tp2/dense-kv1", 2, 1, "dense", 1, False),
+           ("tp2/mixtral", 2, 1, "mixtral", None, False),
+           ("tp2-sp/dense", 2, 1, "dense", None, True), ("tp2-sp/mixtral", 2, 1, "mixtral", None, True),
+           ("ep2/mixtral", 1, 2, "mixtral", None, False))
 
 
 def _config(family: str, s: Sizes, kv_heads: int | None, layers: int):
@@ -165,7 +175,7 @@ class CommRecorder:
                 out = fn(x, *args, **kwargs)
             finally:
                 self._labels.pop()
-            if (kind in ("copy_to_region", "sync_grad", "all_to_all") and isinstance(out, torch.Tensor)
+            if (kind in CONJUGATE and isinstance(out, torch.Tensor)
                     and out is not x and out.grad_fn is not None):
                 # The node's backward issues the conjugate collective: name it the same.
                 out.grad_fn.register_prehook(lambda grads, label=label: self._set_pending(label))
@@ -245,10 +255,10 @@ def count_collectives(rank: int, world: int, sizes: Sizes, out_path: str,
     """Rank body: measure each layout (all of ``LAYOUTS`` by default) at both scopes, gather the
     records on rank 0 and write them to ``out_path`` as JSON."""
     results = []
-    for name, tp, ep, family, kv in LAYOUTS:
+    for name, tp, ep, family, kv, sp in LAYOUTS:
         if layouts is not None and name not in layouts:
             continue
-        groups = build_groups(tp=tp, ep=ep)
+        groups = build_groups(tp=tp, ep=ep, sequence_parallel=sp)
         for scope in ("block", "model"):
             cfg = _config(family, sizes, kv, 1 if scope == "block" else sizes.layers)
             results.append(dict(layout=name, scope=scope, tp=tp, ep=ep,
@@ -267,9 +277,11 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
     gen = torch.Generator().manual_seed(1)          # same ids on every rank
     ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=gen)
     labels = torch.randint(0, s.vocab, (s.batch, s.seq), generator=gen)
-    # One block: ep ranks see different tokens (their slice of the micro-batch), tp ranks the same.
-    gen_x = torch.Generator().manual_seed(100 + groups.ep_rank)
-    x = torch.randn(s.batch // groups.ep, s.seq, s.hidden, generator=gen_x).requires_grad_()
+    # One block: ep ranks see different tokens (their slice of the micro-batch), tp ranks the same
+    # ones, or under sequence parallelism their own slice of the sequence.
+    sp = groups.tp if groups.sequence_parallel else 1
+    gen_x = torch.Generator().manual_seed(100 + groups.ep_rank * sp + groups.tp_rank % sp)
+    x = torch.randn(s.batch // groups.ep, s.seq // sp, s.hidden, generator=gen_x).requires_grad_()
     dy = torch.randn(x.shape, generator=gen_x)
     with CommRecorder(model, groups) as rec:
         if scope == "block":
@@ -293,7 +305,9 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
         if groups.ep > 1 and ".experts." not in n:
             replicated_over["ep"].append(p.numel())
     for n, m in model.named_modules():
-        if getattr(m, "replicated_over_tp", False) and (scope == "model" or n.startswith("layers.0.")):
+        in_scope = scope == "model" or n.startswith("layers.0.")
+        sp_norm = groups.sequence_parallel and n.endswith("norm")    # tokens differ over tp
+        if (getattr(m, "replicated_over_tp", False) or sp_norm) and in_scope:
             replicated_over["tp"].append(m.weight.numel())
     return dict(records=rec.records, replicated_over=dict(replicated_over),
                 routing=[dict(module=m, tokens_per_expert=a.tokens_per_expert.tolist(),
@@ -313,7 +327,8 @@ class Row:
     op: str
     phase: str
     count: int                  # calls per rank
-    elements: int               # all-reduce: tensor per rank; all-to-all: sent, summed over ranks
+    elements: int               # all-reduce, reduce-scatter: the full tensor per rank; all-gather:
+                                # this rank's shard; all-to-all: sent, summed over ranks
     bytes: int
     off_rank: int | None = None     # all-to-all: elements that left their rank
     minimum: int | None = None
@@ -381,7 +396,7 @@ def analyse(data: dict) -> list[Row]:
 
 def _analyse_one(result: dict, s: Sizes) -> list[Row]:
     h, world = s.hidden, len(result["ranks"])
-    ctx = dict(layers=1 if result["scope"] == "block" else s.layers, ep=result["ep"],
+    ctx = dict(layers=1 if result["scope"] == "block" else s.layers, ep=result["ep"], tp=result["tp"],
                T=s.batch * s.seq // result["ep"],               # tokens one rank computes
                moe=len(result["ranks"][0]["routing"]),           # MoE layers in scope
                expect=_routing_expectations(result, h),
@@ -419,7 +434,11 @@ def _analyse_one(result: dict, s: Sizes) -> list[Row]:
 def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> None:
     """Fill the row's analytic minimum and check the measurement against it."""
     t, h, T, layers, moe, ep = row.traffic, s.hidden, ctx["T"], ctx["layers"], ctx["moe"], ctx["ep"]
-    if t.startswith(("attention", "FFN")):
+    if t.startswith(("attention", "FFN", "embedding")) and row.op == "all_gather":
+        # Sequence parallelism: each rank contributes its shard of every gathered b*s*h.
+        n = 1 if t.startswith("embedding") else layers
+        row.minimum, row.formula = n * T * h // ctx["tp"], f"{n}·b·s·h/tp (shard)"
+    elif t.startswith(("attention", "FFN")):
         row.minimum, row.formula = layers * T * h, f"{layers}·b·s·h"
     elif t.startswith("routing-weight"):
         row.minimum, row.formula = moe * T * s.top_k, f"{moe}·b·s·k"

@@ -47,7 +47,7 @@ class Layout:
     tp: int = 1
     ep: int = 1
     pp: int = 1
-    sp: bool = False            # sequence parallelism splits TP-replicated activations by tp
+    sp: bool = False            # sequence parallelism: norms' activations split by tp
     gpus_per_node: int = 8
 
     @property
@@ -183,10 +183,13 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
 # ---------------------------------------------------------------------------------------------
 # Activations: what autograd saves, tensor by tensor, as model/transformer.py and model/moe/* run.
 
-def norm_bytes(h: int, a: int) -> float:
+def norm_bytes(h: int, a: int, tp: int = 1, sp: bool = False) -> float:
     """One RMSNorm per token: its fp32 input ``x.float()`` (4h; in fp32 the residual itself),
     rsqrt (4), the normalized ``x`` that ``weight *`` saves (a h), and the product, the input
-    the next matmuls save (a h)."""
+    the next matmuls save (a h). Under sequence parallelism the norm runs on this rank's 1/tp of
+    the tokens and the matmuls save the all-gathered product instead (a h for every token)."""
+    if sp:
+        return (FP32 * h + a * h + FP32) / tp + a * h
     return FP32 * h + 2 * a * h + FP32
 
 
@@ -215,15 +218,14 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
       indices (16) and the permuted row (a h); ``experts`` = gate, silu, up, product (4 a F/tp);
       ``combine`` = expert output (a h), combine weight (a), weighted output kept by
       ``index_add_`` (a h).
-    TP shards heads and inner sizes; what it replicates (norms, router, dispatched rows) is split
-    by tp only under sequence parallelism.
+    TP shards heads and inner sizes; sequence parallelism splits the norms (``norm_bytes``) but
+    not the router or the dispatched rows: every tp rank routes the gathered tokens.
     """
     h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
-    rep = tp if sp else 1
     heads = cfg.num_heads / tp
     kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
     kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
-    out = {"norm1": tokens * norm_bytes(h, a) / rep, "norm2": tokens * norm_bytes(h, a) / rep,
+    out = {"norm1": tokens * norm_bytes(h, a, tp, sp), "norm2": tokens * norm_bytes(h, a, tp, sp),
            "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads)}
     if not cfg.is_moe_layer(layer):
         out["mlp"] = tokens * 4 * a * f / tp
@@ -231,10 +233,10 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     moe, rows = cfg.moe, routed_rows(cfg, tokens)
     e, k = moe.num_experts, moe.top_k
     out["router"] = (tokens * ((FP32 * h if a != FP32 else 0) + 2 * FP32 * e + INT64 * k
-                               + FP32 * k + 2 * FP32) + (FP32 * e * h if a != FP32 else 0)) / rep
-    out["dispatch"] = rows * (2 * INT64 + a * h) / rep
+                               + FP32 * k + 2 * FP32) + (FP32 * e * h if a != FP32 else 0))
+    out["dispatch"] = rows * (2 * INT64 + a * h)
     out["experts"] = rows * 4 * a * f / tp
-    out["combine"] = rows * (2 * a * h + a) / rep
+    out["combine"] = rows * (2 * a * h + a)
     return out
 
 
@@ -242,8 +244,7 @@ def head_activations(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1,
                      sp: bool = False) -> dict[str, float]:
     """Final norm, the output head's fp32 softmax kept by the cross-entropy (4 V/tp per token,
     vocab-parallel under TP), and the token ids and labels (8 + 8)."""
-    rep = tp if sp else 1
-    return {"final_norm": tokens * norm_bytes(cfg.hidden_size, a) / rep,
+    return {"final_norm": tokens * norm_bytes(cfg.hidden_size, a, tp, sp),
             "logits_fp32": tokens * FP32 * math.ceil(cfg.vocab_size / tp),
             "token_ids": tokens * 2 * INT64}
 

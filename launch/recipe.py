@@ -47,7 +47,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule, 1F1B); DeepSpeed allows only ZeRO-0/1 with it."""
     sequence_parallel: bool = False
-    """Split norms/dropout activations along the sequence over the TP group (Megatron SP)."""
+    """Megatron sequence parallelism: keep the activations between TP regions (residual stream,
+    norms) split along the sequence over the TP group; data.seq_len must be a multiple of
+    tensor_parallel_size. No effect with tensor_parallel_size 1."""
     expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
     """Which experts an EP rank holds: a contiguous block, or every ep-th expert."""
 

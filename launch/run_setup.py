@@ -33,8 +33,11 @@ CACHE_DIR = REPO / ".cache"
 
 def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     par = recipe.parallel
-    if par.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel is not implemented yet (set it to false)")
+    tp = par.tensor_parallel_size
+    if par.sequence_parallel and recipe.seq_len % tp:
+        raise ValueError(f"data.seq_len ({recipe.seq_len}) is not divisible by "
+                         f"parallel.tensor_parallel_size ({tp}): sequence parallelism splits "
+                         f"every sequence over the tensor-parallel ranks; use a multiple of {tp}")
     return validate_layout(world_size, par.tensor_parallel_size, par.expert_parallel_size,
                            par.pipeline_parallel_size)
 
@@ -175,7 +178,7 @@ def init_distributed(recipe: Recipe) -> DistContext:
         device, gpu = torch.device("cpu"), None
     par = recipe.parallel
     groups = build_groups(par.tensor_parallel_size, par.expert_parallel_size,
-                          par.pipeline_parallel_size, par.expert_placement)
+                          par.pipeline_parallel_size, par.expert_placement, par.sequence_parallel)
     return DistContext(rank, world, local_rank, device, groups, gpu=gpu)
 
 

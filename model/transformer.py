@@ -21,14 +21,16 @@ from model.moe.layer import MoEAux, MoELayer
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   cross_entropy_sum, init_from_full, kv_heads_for_rank, replicated)
+                                   cross_entropy_sum, enter_tp_region, init_from_full,
+                                   kv_heads_for_rank, replicated)
 
 IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm); its weight is
-    replicated on every model-parallel rank."""
+    replicated on every model-parallel rank, and its gradient summed over the ranks that see
+    different tokens (ep; tp too under sequence parallelism)."""
 
     def __init__(self, hidden_size: int, eps: float, groups: ParallelGroups | None = None):
         super().__init__()
@@ -39,7 +41,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return comm.sync_grad(self.weight, self.groups.ep_group) * x32.to(x.dtype)
+        weight = comm.sync_grad(self.weight, self.groups.ep_group)
+        if self.groups.sequence_parallel:
+            weight = comm.sync_grad(weight, self.groups.tp_group)
+        return weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -69,7 +74,9 @@ class Attention(nn.Module):
 
     Tensor parallelism splits the query heads over tp, and the kv heads too (or, with fewer kv
     heads than tp ranks, each rank keeps the one kv head its query heads use); ``o_proj`` is row
-    parallel, so the block's output is summed over tp once.
+    parallel, so the block's output is summed over tp once. Under sequence parallelism the input
+    is this rank's (B, S/tp, H) shard: it is gathered once for q, k and v, and the output is
+    reduce-scattered back to a shard.
     """
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None):
@@ -84,11 +91,11 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, g)
-        self.tp_group = g.tp_group
+        self.groups = g
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = enter_tp_region(x, self.groups)            # one gradient all-reduce for q, k and v
         B, S, _ = x.shape
-        x = comm.copy_to_region(x, self.tp_group)     # one gradient all-reduce for q, k and v
         q, k, v = (proj(x, input_copied=True) for proj in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
@@ -112,10 +119,10 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
         self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, groups)
-        self.tp_group = (groups or ParallelGroups()).tp_group
+        self.groups = groups or ParallelGroups()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to_region(x, self.tp_group)     # one gradient all-reduce for gate and up
+        x = enter_tp_region(x, self.groups)           # one gradient all-reduce for gate and up
         gate, up = self.gate_proj(x, input_copied=True), self.up_proj(x, input_copied=True)
         return self.down_proj(F.silu(gate) * up)
 
@@ -219,7 +226,8 @@ class Transformer(nn.Module):
         cfg: a validated ``DenseConfig``, ``SwitchConfig`` or ``MixtralConfig``.
         groups: process groups for tensor/expert parallelism (None: single process). Under
             expert parallelism each ep rank takes its slice of the micro-batch; under tensor
-            parallelism ``logits`` is this rank's vocabulary shard.
+            parallelism ``logits`` is this rank's vocabulary shard (for every position, also
+            under sequence parallelism, whose sequence shards live only between the layers).
         init_seed: seed of the weight init; the full weights are the same at any layout.
     """
 
@@ -264,7 +272,11 @@ class Transformer(nn.Module):
             rows = slice(self.groups.ep_rank * part, (self.groups.ep_rank + 1) * part)
             input_ids = input_ids[rows]
             labels = labels[rows] if labels is not None else None
-        x = self.embed_tokens(input_ids)                                   # (B, S, H)
+        if self.groups.sequence_parallel and input_ids.shape[1] % self.groups.tp:
+            raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
+                             f"parallel.tensor_parallel_size ({self.groups.tp}) under "
+                             f"parallel.sequence_parallel")
+        x = self.embed_tokens(input_ids)                        # (B, S, H); S/tp under SP
         rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):

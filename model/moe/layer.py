@@ -19,6 +19,7 @@ from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups, local_experts
+from model.parallel.layers import enter_tp_region, leave_tp_region
 
 
 @dataclass
@@ -71,27 +72,38 @@ class MoELayer(nn.Module):
         self.register_buffer("expert_order", torch.tensor(order), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
-        """(B, S, H) -> (B, S, H) and the layer's auxiliary outputs."""
-        shape, moe, ep = x.shape, self.moe, self.groups.ep
-        x = x.reshape(-1, shape[-1])                                        # (T, H)
+        """(B, S, H) -> (B, S, H) and the layer's auxiliary outputs (S/tp under sequence
+        parallelism)."""
+        g, moe, ep = self.groups, self.moe, self.groups.ep
+        tp_group = g.tp_group
+        # Under tp the experts see this rank's slice of their inner dim: bring the T tokens in
+        # (replicated, or gathered from sequence shards) and sum the T combined tokens out (not
+        # the k*T rows). The combine weights then multiply partial outputs, so their (T, k)
+        # gradient is summed over tp too. Routing is replicated over tp: every tp rank routes
+        # the same T tokens the same way.
+        if g.sequence_parallel:
+            x = enter_tp_region(x, g)                                       # (B, S, H) gathered
+            # The gathered x's gradient is summed over tp by the reduce-scatter; the router's
+            # share is the same on every tp rank, so count it once.
+            router_in = comm.grad_counted_once(x, tp_group)
+        else:
+            router_in, x = x, comm.copy_to_region(x, tp_group)
+        shape = x.shape
+        x, router_in = x.reshape(-1, shape[-1]), router_in.reshape(-1, shape[-1])   # (T, H)
         num_tokens = x.shape[0]
         total_tokens = num_tokens * ep                                      # the micro-batch's T
-        routing = Routing(*self.gate(x))
+        routing = Routing(*self.gate(router_in))
         capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
         # Plan in rank order of experts (the identity without expert parallelism).
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
-        tp_group = self.groups.tp_group
-        # Under tp the experts see this rank's slice of their inner dim: copy the T tokens in and
-        # sum the T combined tokens out (not the k*T rows). The combine weights then multiply
-        # partial outputs, so their (T, k) gradient is summed over tp too.
-        rows = dispatcher.permute(comm.copy_to_region(x, tp_group), plan)   # (N, H) by expert position
+        rows = dispatcher.permute(x, plan)                                  # (N, H) by expert position
         if ep > 1:
             y = self._exchange(rows, plan.tokens_per_expert)
         else:
             y = self.experts(rows, plan.tokens_per_expert)                  # (N, H) partial over tp
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
-        out = comm.reduce_from_region(out, tp_group)
+        out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
 
         routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id
         routed_all = comm.all_reduce_sum(routed.clone(), self.groups.ep_group)
@@ -101,7 +113,7 @@ class MoELayer(nn.Module):
             tokens_per_expert=routed.detach(),
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
             entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach())
-        return out.reshape(shape), aux
+        return out, aux
 
     def _exchange(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """Send each row to the rank holding its expert, run the local experts, send back.

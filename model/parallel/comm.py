@@ -107,6 +107,62 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    chunks = [c.contiguous() for c in x.chunk(dist.get_world_size(group), dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: concatenate the ranks' sequence shards along ``dim``. Backward: sum the
+    gradients over the group and keep our shard (a reduce-scatter): the gathered tensor feeds
+    tensor-parallel layers, so each rank's gradient of it is partial."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Forward: sum partial outputs over the group, each rank keeping its sequence shard along
+    ``dim``. Backward: all-gather the shards' gradients (every rank's partial output affected
+    every position)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GradOnFirstRank(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient on group rank 0, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.first = dist.get_rank(group) == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
 class _AllToAll(torch.autograd.Function):
     """Forward: send ``in_splits[j]`` rows to rank j, receive ``out_splits[i]`` rows from rank i.
     Backward: the same exchange reversed."""
@@ -138,6 +194,25 @@ def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
 def gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
     """All-gather shards along the last dim forward; slice our shard backward."""
     return _GatherLastDim.apply(x, group) if _active(group) else x
+
+
+def gather_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """Megatron sequence parallelism, entering a tensor-parallel region: all-gather the sequence
+    shards along ``dim`` forward; reduce-scatter the gradient backward."""
+    return _GatherSequence.apply(x, dim, group) if _active(group) else x
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+    """Megatron sequence parallelism, leaving a tensor-parallel region: sum the partial outputs
+    and keep this rank's sequence shard along ``dim`` forward; all-gather the gradient backward."""
+    return _ReduceScatterSequence.apply(x, dim, group) if _active(group) else x
+
+
+def grad_counted_once(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Feed ``x`` to a computation replicated over ``group`` when ``x``'s gradient will later be
+    summed over the group (e.g. the router on gathered tokens under sequence parallelism): every
+    rank computes the same gradient, so only group rank 0's enters the sum."""
+    return _GradOnFirstRank.apply(x, group) if _active(group) else x
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:

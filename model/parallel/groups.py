@@ -70,6 +70,7 @@ class ParallelGroups:
     batch_group: object = None
     pp_group: object = None
     expert_placement: str = "contiguous"
+    sequence_parallel: bool = False   # Megatron SP: activations outside TP regions split by tp
     _ranks: dict = field(default_factory=dict, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)   # real groups, size 1 included
 
@@ -117,11 +118,12 @@ class ParallelGroups:
         return self.pp
 
 
-def build_groups(tp: int = 1, ep: int = 1, pp: int = 1,
-                 expert_placement: str = "contiguous") -> ParallelGroups:
+def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = "contiguous",
+                 sequence_parallel: bool = False) -> ParallelGroups:
     """Create every group on every rank (``new_group`` is collective) and keep this rank's.
 
     Communicates over the default group. With one process, returns all-``None`` groups.
+    ``sequence_parallel`` takes effect only with tp > 1 (see ``model/parallel/layers.py``).
     """
     if expert_placement not in ("contiguous", "round_robin"):
         raise ValueError(f"parallel.expert_placement ({expert_placement!r}) must be "
@@ -141,7 +143,8 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1,
                "batch": ("ep", "dp"), "pp": ("pp",)}
     out = ParallelGroups(tp=tp, ep=ep, dp=dp, pp=pp, tp_rank=mine["tp"], ep_rank=mine["ep"],
                          dp_rank=mine["dp"], pp_rank=mine["pp"],
-                         expert_placement=expert_placement)
+                         expert_placement=expert_placement,
+                         sequence_parallel=sequence_parallel and tp > 1)
     for name, free in varying.items():
         size = 1
         for axis in free:

@@ -8,6 +8,14 @@ Gradient-norm contract with DeepSpeed: a parameter is marked ``tensor_model_para
 the ranks that are its canonical holder (rank 0 of every model-parallel axis it is replicated
 over). DeepSpeed counts marked parameters on every rank plus unmarked ones on model-parallel rank
 0 and sums over the model-parallel group, so every distinct shard enters the norm exactly once.
+
+Sequence parallelism (Megatron, Korthikanti et al. 2022), when ``groups.sequence_parallel``: the
+activations between tensor-parallel regions (residual stream, norms) are split along the
+sequence over tp instead of replicated, cutting their memory by tp. A region is entered by an
+all-gather of the sequence (instead of the identity) and left by a reduce-scatter (instead of an
+all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so the traffic is the same.
+``enter_tp_region`` and ``leave_tp_region`` pick the pair; the norms, whose tokens now differ per
+tp rank, sum their weight gradient over tp.
 """
 
 from __future__ import annotations
@@ -67,6 +75,22 @@ def check_tp_divides(name: str, value: int, tp: int, fix: str = "") -> None:
                          f"({tp}): {fix or f'choose a tensor_parallel_size that divides {value}'}")
 
 
+def enter_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """The input of column-parallel layers: (B, S, H) replicated over tp, with its gradient
+    summed over tp; under sequence parallelism gathered from the (B, S/tp, H) shards."""
+    if groups.sequence_parallel:
+        return comm.gather_sequence(x, groups.tp_group, dim=1)
+    return comm.copy_to_region(x, groups.tp_group)
+
+
+def leave_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """Sum the partial (B, S, H) outputs of row-parallel layers over tp; under sequence
+    parallelism keep this rank's (B, S/tp, H) shard of the sum."""
+    if groups.sequence_parallel:
+        return comm.reduce_scatter_sequence(x, groups.tp_group, dim=1)
+    return comm.reduce_from_region(x, groups.tp_group)
+
+
 def _sizes(groups):
     g = groups or ParallelGroups()
     return g, g.tp, g.tp_rank
@@ -99,10 +123,10 @@ class ColumnParallelLinear(nn.Module):
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
 
     def forward(self, x: torch.Tensor, input_copied: bool = False) -> torch.Tensor:
-        """``input_copied``: the caller already passed ``x`` through ``copy_to_region`` (several
+        """``input_copied``: the caller already passed ``x`` through ``enter_tp_region`` (several
         column-parallel layers reading one input then share one gradient all-reduce)."""
         if not input_copied:
-            x = comm.copy_to_region(x, self.groups.tp_group)
+            x = enter_tp_region(x, self.groups)
         weight = comm.sync_grad(self.weight, self.groups.ep_group)
         if self.replicated_over_tp:
             weight = comm.sync_grad(weight, self.groups.tp_group)
@@ -123,15 +147,16 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, comm.sync_grad(self.weight, self.groups.ep_group))
-        return comm.reduce_from_region(y, self.groups.tp_group)
+        return leave_tp_region(y, self.groups)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary rows are split over tp; also the tied output head.
 
     ``forward(ids)``: each rank looks up the ids in its range, zeros the rest, and the partial
-    embeddings are summed over tp. ``forward(h, unembed=True)``: this rank's slice of the logits,
-    (..., V/tp), for ``vocab_parallel_cross_entropy``.
+    embeddings are summed over tp (under sequence parallelism each rank keeps its (B, S/tp, H)
+    shard of the sum). ``forward(h, unembed=True)``: this rank's slice of the logits, (B, S, V/tp),
+    for ``cross_entropy_sum``.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, groups=None):
@@ -147,13 +172,13 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
         weight = comm.sync_grad(self.weight, self.groups.ep_group)
         if unembed:
-            return F.linear(comm.copy_to_region(x, self.groups.tp_group), weight)
+            return F.linear(enter_tp_region(x, self.groups), weight)
         if self.groups.tp == 1:
             return F.embedding(x, weight)
         outside = (x < self.start) | (x >= self.end)
         local = torch.where(outside, torch.zeros_like(x), x - self.start)
         emb = F.embedding(local, weight) * (~outside).unsqueeze(-1).to(weight.dtype)
-        return comm.reduce_from_region(emb, self.groups.tp_group)
+        return leave_tp_region(emb, self.groups)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -247,5 +272,6 @@ def local_size(total: int, groups) -> int:
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "check_tp_divides", "cross_entropy_sum", "init_from_full", "kv_heads_for_rank", "replicated", "shard_param",
-           "take_shard", "local_size", "even_slice", "math"]
+           "check_tp_divides", "cross_entropy_sum", "enter_tp_region", "even_slice",
+           "init_from_full", "kv_heads_for_rank", "leave_tp_region", "local_size", "replicated",
+           "shard_param", "take_shard"]

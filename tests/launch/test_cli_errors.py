@@ -198,6 +198,10 @@ TRAIN_CASES = [
                                            f"parallel.expert_parallel_size={_experts(w) + 1}"],
      r"parallel\.expert_parallel_size \(\d+\) does not divide model\.moe\.num_experts \(\d+\): "
      r"choose a divisor of \d+"),
+    ("sp_seq_len_not_dividing", lambda w: ["--config", w.good, "--set", "parallel.tensor_parallel_size=2",
+                                           "parallel.sequence_parallel=true", "data.seq_len=63"],
+     r"data\.seq_len \(63\) is not divisible by parallel\.tensor_parallel_size \(2\): sequence "
+     r"parallelism splits every sequence over the tensor-parallel ranks; use a multiple of 2"),
     ("steps_0", lambda w: ["--config", w.good, "--steps", "0"],
      r"--steps: 0 must be >= 1"),
     ("init_from_missing", lambda w: ["--config", w.good, "--init-from", w.path("no_init")],

@@ -1,7 +1,7 @@
 """Collectives of one forward+backward against the analytic minimum (``benchmarks/comm_volume.py``).
 
-One 2-rank spawn (about 10 s) counts TP2 dense (kv heads >= tp) and EP2 Mixtral (dropless, top-2)
-at block and model scope; every test reads its rows. Counts are per rank; all-reduce elements are
+One 2-rank spawn (about 10 s) counts TP2 dense (kv heads >= tp), TP2 Mixtral with sequence
+parallelism and EP2 Mixtral (dropless, top-2) at block and model scope; every test reads its rows. Counts are per rank; all-reduce elements are
 the reduced tensor, all-to-all elements are summed over the ranks.
 """
 
@@ -16,7 +16,7 @@ BSH = SIZES.batch * SIZES.seq * SIZES.hidden          # b*s*h at TP (every rank 
 
 @pytest.fixture(scope="module")
 def rows():
-    return cv.analyse(cv.run(SIZES, ("tp2/dense", "ep2/mixtral")))
+    return cv.analyse(cv.run(SIZES, ("tp2/dense", "tp2-sp/mixtral", "ep2/mixtral")))
 
 
 def _rows(rows, layout, scope, phase=None):
@@ -34,6 +34,22 @@ def test_tp_block_backward_is_two_all_reduces_of_bsh(rows):
     got = {(r.traffic, r.op, r.count, r.elements) for r in _rows(rows, "tp2/dense", "block", "backward")}
     assert got == {("attention in/out (TP)", "all_reduce", 1, BSH),     # into q/k/v
                    ("FFN in/out (TP)", "all_reduce", 1, BSH)}           # into gate/up
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_sequence_parallel_block_replaces_each_all_reduce_by_reduce_scatter_plus_all_gather(rows, phase):
+    # Same places as TP's all-reduces; a ring all-reduce is exactly these two collectives, so
+    # the traffic is unchanged while activations between the regions are split by tp.
+    got = {(r.traffic, r.op, r.count, r.elements)
+           for r in _rows(rows, "tp2-sp/mixtral", "block", phase) if r.per_token}
+    want = {(t, op, 1, n) for t in ("attention in/out (TP)", "FFN in/out (TP)")
+            for op, n in (("all_gather", BSH // 2), ("reduce_scatter", BSH))}
+    if phase == "backward":     # the router's combine weights multiply partial expert outputs
+        want.add(("routing-weight grad (TP)", "all_reduce", 1, SIZES.batch * SIZES.seq * SIZES.top_k))
+    assert got == want
+    norms = [r for r in _rows(rows, "tp2-sp/mixtral", "block", phase) if not r.per_token]
+    assert [(r.count, r.where) for r in norms] == ([(2, "input_layernorm.weight, post_attention_"
+                                                    "layernorm.weight")] if phase == "backward" else [])
 
 
 def test_tp_model_adds_only_the_vocab_parallel_embedding_and_cross_entropy(rows):
@@ -69,7 +85,9 @@ def test_every_collective_is_explained_and_replicas_sync_once(rows):
     assert not [r for r in rows if r.traffic.startswith("unexplained")]
     assert all(r.ok for r in rows if r.layout.startswith("ep"))
     sync = [r for r in rows if r.traffic.startswith("replicated")]
-    assert {(r.layout, r.scope) for r in sync} == {("ep2/mixtral", "block"), ("ep2/mixtral", "model")}
-    for r in sync:      # every parameter outside the experts, its gradient summed once over ep
+    assert {(r.layout, r.scope) for r in sync} == {(layout, scope) for scope in ("block", "model")
+                                                   for layout in ("ep2/mixtral", "tp2-sp/mixtral")}
+    for r in sync:      # ep: every parameter outside the experts, its gradient summed once over
+                        # ep; tp with sequence parallelism: every norm weight once over tp
         assert r.phase == "backward" and r.elements == r.minimum and not r.note, r
     assert not [r for r in rows if r.layout.startswith("tp") and r.traffic.startswith("MoE")]

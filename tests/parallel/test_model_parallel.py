@@ -1,4 +1,5 @@
-"""Tensor- and expert-parallel models against one unsharded reference, on 2 and 4 gloo ranks.
+"""Tensor- (with and without sequence parallelism) and expert-parallel models against one
+unsharded reference, on 2 and 4 gloo ranks.
 
 Every rank builds the full reference model and the sharded one from the same seed and feeds both
 the same micro-batch. Checked: init (each shard equals the reference's slice exactly), the loss,
@@ -33,9 +34,10 @@ def _configs():
     }
 
 
-def _check(cfg, groups, tag):
+def _check(cfg, groups, tag, checkpointing="none"):
     ref = Transformer(cfg, None, init_seed=7)
     par = Transformer(cfg, groups, init_seed=7)
+    par.set_activation_checkpointing(checkpointing)    # recompute re-issues the collectives
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():               # init parity at this layout
         assert torch.equal(p, take_shard(ref_params[name].detach(), p.shard_spec)), (tag, name)
@@ -43,7 +45,11 @@ def _check(cfg, groups, tag):
     gen = torch.Generator().manual_seed(11)
     ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=gen)
     labels = torch.randint(0, cfg.vocab_size, (4, 16), generator=gen)
+    seen = []   # the residual stream a block receives: (B, S/tp, H) under sequence parallelism
+    par.layers[1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
     out_ref, out_par = ref(ids, labels), par(ids, labels)
+    split = groups.tp if groups.sequence_parallel else 1
+    assert seen == [(4 // groups.ep, 16 // split, cfg.hidden_size)], (tag, seen)
     # Mean over the micro-batch's 64 target tokens, so values and gradients are O(1).
     (out_ref.ce_sum / 64 + ref.router_loss(out_ref)).backward()
     (out_par.ce_sum / 64 + par.router_loss(out_par)).backward()
@@ -66,6 +72,11 @@ def _two_ranks(rank, world):
     tp2 = build_groups(tp=2)
     for name, cfg in cfgs.items():
         _check(cfg, tp2, f"tp2/{name}")
+    sp = build_groups(tp=2, sequence_parallel=True)
+    for name, cfg in cfgs.items():
+        _check(cfg, sp, f"tp2-sp/{name}")
+    _check(cfgs["mixtral"], sp, "tp2-sp/mixtral/full-checkpointing", "full")
+    _check(cfgs["mixtral"], sp, "tp2-sp/mixtral/moe-checkpointing", "moe")
     ep2 = build_groups(ep=2)
     _check(cfgs["mixtral"], ep2, "ep2/mixtral")
     _check(cfgs["switch"], ep2, "ep2/switch")
@@ -88,6 +99,9 @@ def _four_ranks(rank, world):
     assert (g.tp_rank, g.ep_rank) == (rank % 2, rank // 2)
     _check(cfgs["mixtral"], g, "tp2xep2/mixtral")
     _check(cfgs["dense"], g, "tp2xep2/dense")
+    sp = build_groups(tp=2, ep=2, sequence_parallel=True)
+    _check(cfgs["mixtral"], sp, "tp2xep2-sp/mixtral")
+    _check(cfgs["switch"], sp, "tp2xep2-sp/switch")
     # Rank-as-data: group sums of the rank ids name the members.
     def total(group):
         return comm.all_reduce_sum(torch.tensor([float(rank)]), group).item()

@@ -26,7 +26,8 @@ from tests.runs import ds_variant, kill_after_step, launch, rows
 NO_JITTER = ["model.moe.router_jitter=0.0"]
 LAYOUTS = {"tp2": (2, ["parallel.tensor_parallel_size=2"]),
            "ep2": (2, ["parallel.expert_parallel_size=2"]),
-           "tp2xep2": (4, ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"])}
+           "tp2xep2": (4, ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"]),
+           "tp2-sp": (2, ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"])}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,14 @@ def test_layout_matches_the_single_process_control(layout, stage, control, tmp_p
         ours, ctrl = load_run_model(run_dir)[0], load_run_model(control)[0]
         for (name, p), q in zip(ours.named_parameters(), ctrl.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tp2_x_ep2_with_sequence_parallelism_matches_the_control(stage, control, tmp_path):
+    run_dir = tmp_path / "run"
+    launch(run_dir, f"ds_configs/zero{stage}_fp32.json", nproc=4,
+           extra=NO_JITTER + LAYOUTS["tp2xep2"][1] + ["parallel.sequence_parallel=true"])
+    _assert_same_metrics(rows(control), rows(run_dir), ("tp2xep2-sp", stage))
 
 
 # Pipeline parallelism: DeepSpeed's PipelineEngine (1F1B), ZeRO 0/1 only. The MoE aux losses of
