@@ -366,10 +366,23 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
     ZeRO 1-3 keep the fp32 master weights in their (partitioned) optimizer files, which
     DeepSpeed's ``zero_to_fp32`` reassembles; ZeRO-0 keeps the module weights in
     ``mp_rank_00_model_states.pt``. Tensor/expert-parallel runs (ZeRO 0-2) are merged from the
-    module weights of every ``mp_rank_XX`` file (the model dtype: exact for fp32 runs, the bf16
-    weights for bf16 runs).
+    module weights of every ``mp_rank_XX`` file, pipeline runs from their per-layer files (the
+    model dtype: exact for fp32 runs, the bf16 weights for bf16 runs).
     """
     mp = 1 if world is None else world["tensor_parallel_size"] * world["expert_parallel_size"]
+    if world is not None and world.get("pipeline_parallel_size", 1) > 1:
+        # DeepSpeed's PipelineModule writes the module weights per layer and 'model' (tp x ep)
+        # rank, ``layer_XX-model_YY-model_states.pt`` (the tied head's copy on the last stage
+        # is not written); the layers' keys are the Transformer's (launch/pipeline.py), so the
+        # layers of one 'model' rank together form its shard of the Transformer.
+        shards = {}
+        for r in range(mp):
+            shards[r] = {}
+            for f in sorted((Path(ckpt_dir) / tag).glob(f"layer_*-model_{r:02d}-model_states.pt")):
+                shards[r].update(torch.load(f, map_location="cpu", weights_only=False))
+        if mp > 1:
+            return merge_model_parallel(cfg, world, shards)
+        return {k: v.float() for k, v in shards[0].items()}
     if mp > 1:
         if zero_stage == 3:
             raise ValueError("consolidating a ZeRO-3 tensor/expert-parallel checkpoint is not "

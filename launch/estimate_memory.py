@@ -208,12 +208,15 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                 continue
             ds = dict(bases[stage], train_micro_batch_size_per_gpu=micro,
                       gradient_accumulation_steps=global_batch // (micro * dp))
+            # Sequence parallelism whenever tp > 1 can split the sequence: the same traffic as
+            # tensor parallelism alone, with the norms' activations split by tp.
+            sp = tp > 1 and recipe.seq_len % tp == 0
             r = dataclasses.replace(
-                recipe, parallel=ParallelConfig(tp, ep, pp, recipe.parallel.sequence_parallel),
+                recipe, parallel=ParallelConfig(tp, ep, pp, sp, recipe.parallel.expert_placement),
                 train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
             est = estimate(r, ds, world, gpus_per_node, gpu)
             if est["fits"]:
-                rows.append({"zero_stage": stage, "tp": tp, "ep": ep, "pp": pp, "dp": dp,
+                rows.append({"zero_stage": stage, "tp": tp, "ep": ep, "pp": pp, "dp": dp, "sp": sp,
                              "micro_batch": micro, "accumulation": ds["gradient_accumulation_steps"],
                              "activation_checkpointing": policy,
                              "config": f"ds_configs/zero{stage}{suffix}.json",
@@ -230,6 +233,8 @@ def launch_command(row: dict, recipe_path: str, nodes: int, gpus_per_node: int,
     sets = [f"parallel.tensor_parallel_size={row['tp']}", f"parallel.expert_parallel_size={row['ep']}",
             f"parallel.pipeline_parallel_size={row['pp']}",
             f"train.activation_checkpointing={row['activation_checkpointing']}"]
+    if row.get("sp"):
+        sets.append("parallel.sequence_parallel=true")
     return shlex.join(["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node),
                        "launch/train.py", "--config", config or row["config"],
                        "--recipe", recipe_path, "--set", *sets])
@@ -290,10 +295,10 @@ def format_plan(result: dict, command: str, note: str) -> str:
              f"{result['fitting']} of {result['considered']} layouts fit; global batch "
              f"{result['global_batch']} sequences; step time at MFU {result['assumed_mfu']} + "
              f"communication (no overlap)", "",
-             " # ZeRO tp ep pp  dp micro  acc ckpt       mem GB  step s  comp  dp-comm tp-comm ep-comm"
+             " # ZeRO tp sp ep pp  dp micro  acc ckpt       mem GB  step s  comp  dp-comm tp-comm ep-comm"
              " tok/s/GPU"]
     for i, r in enumerate(result["layouts"], 1):
-        lines.append(f"{i:2d} {r['zero_stage']:4d} {r['tp']:2d} {r['ep']:2d} {r['pp']:2d} {r['dp']:3d}"
+        lines.append(f"{i:2d} {r['zero_stage']:4d} {r['tp']:2d} {'on' if r['sp'] else '--'} {r['ep']:2d} {r['pp']:2d} {r['dp']:3d}"
                      f" {r['micro_batch']:5d} {r['accumulation']:4d} {r['activation_checkpointing']:<9}"
                      f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:5.2f}"
                      f" {r['dp_comm_s']:7.2f} {r['tp_comm_s']:7.2f} {r['ep_comm_s']:7.2f}"

@@ -171,8 +171,14 @@ def _rung_tp(recipe, ds, world, gpn):
         return f"tensor parallelism {2 * tp} exceeds the {gpn} GPU(s) of a node"
     if dp % 2:
         return f"data-parallel size {dp} cannot be halved at a fixed world size"
-    return [(f"tensor parallelism {tp} -> {2 * tp} (accumulation {acc} -> {acc * 2} keeps the batch)",
-             {"parallel.tensor_parallel_size": 2 * tp}, {"gradient_accumulation_steps": acc * 2})]
+    sets = {"parallel.tensor_parallel_size": 2 * tp}
+    what = f"tensor parallelism {tp} -> {2 * tp}"
+    if not par.sequence_parallel and recipe.seq_len % (2 * tp) == 0:
+        # Same traffic as tensor parallelism alone, the norms' activations split by tp.
+        sets["parallel.sequence_parallel"] = "true"
+        what += " with sequence parallelism"
+    return [(f"{what} (accumulation {acc} -> {acc * 2} keeps the batch)", sets,
+             {"gradient_accumulation_steps": acc * 2})]
 
 
 def _rung_offload(recipe, ds, world, gpn):

@@ -30,6 +30,22 @@ Under fp32 ZeRO-0, gradients are clipped with the trainer's norm (``clip_fp32_wi
 Statistics: the loss and every MoE layer stash detached per-micro-batch values on this rank;
 ``TransformerPipe.add_step_stats`` fills the trainer's statistics vector, which the trainer sums
 over the batch group and the pipeline group (each value lives on exactly one stage).
+
+Pipeline x tensor/expert parallelism (3D layouts): every stage is built with this rank's
+``ParallelGroups``, so its layers shard and communicate over tp and ep exactly as in the
+``Transformer``; DeepSpeed's topology puts tp x ep on its 'model' axis (same rank order).
+Under expert parallelism the first stage embeds, and the last stage scores, only this ep rank's
+rows of each micro-batch (``expert_parallel_rows``, as ``Transformer.forward``); the carried loss
+sums are then this rank's contributions, which sum over ep as in the non-pipeline trainer
+(``MoEAux``). Under sequence parallelism each tp rank sends its (B, S/tp, H) shard of the
+hidden state to its peer on the next stage (the embedding scatters, the head gathers), and the
+blocks take the RoPE length from ``sequence_length``.
+DeepSpeed's default of cutting the stage output over the 'model' axis for the send
+(``pipe_partitioned``) is switched off (``pipeline_ds_config``). Gradient norm: DeepSpeed's
+ZeRO-1 norm (grid as mpu) counts a gradient when its parameter is marked
+``tensor_model_parallel`` or the rank's 'model' coordinate is 0, skips ``ds_pipe_replicated``
+tied copies and sums over dp and pipe x model: with our marking, every shard once.
+Proven against the single-process control in tests/parallel/test_pipeline_layouts.py.
 """
 
 from __future__ import annotations
@@ -46,7 +62,7 @@ from model.config import TransformerConfig
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
 from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, blocks_to_checkpoint,
-                               init_weights)
+                               expert_parallel_rows, init_weights, sequence_length)
 
 
 def _load(module: nn.Module, init: dict | None) -> None:
@@ -60,12 +76,13 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
         super().__init__()
+        self.groups = groups
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
         init_weights(self, cfg, seed)
         _load(self, init)
 
     def forward(self, input_ids: torch.Tensor):
-        x = self.embed_tokens(input_ids)                                    # (B, S, H)
+        x = self.embed_tokens(expert_parallel_rows(input_ids, self.groups))             # (B/ep, S, H)
         # Zeros inside the autograd graph (a sum over no elements of x): DeepSpeed runs backward
         # on every floating-point stage output, so the sums must require grad even on a stage
         # without MoE layers.
@@ -89,6 +106,7 @@ class BlockPipe(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups, seed: int,
                  checkpointing: str = "none", init=None):
         super().__init__()
+        self.groups = groups
         block = Block(cfg, layer_idx, groups)
         block.set_checkpointing(checkpointing)
         self.layers = nn.ModuleDict({str(layer_idx): block})
@@ -105,7 +123,7 @@ class BlockPipe(nn.Module):
 
     def forward(self, inputs):
         x, aux_sum, z_sum = inputs
-        rope = self.rotary(x.shape[1], x.device, x.dtype)
+        rope = self.rotary(sequence_length(x, self.groups), x.device, x.dtype)
         if self.checkpoint_whole and self.training:
             x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, use_reentrant=False)
         else:
@@ -164,6 +182,7 @@ class PipelineLoss:
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         logits, aux_sum, z_sum = outputs
+        labels = expert_parallel_rows(labels, self.groups)       # the rows EmbeddingPipe kept on this rank
         ce_sum = cross_entropy_sum(logits, labels, self.groups, self.vocab_start, IGNORE_INDEX)
         if self.moe is None:          # keep the carried sums in the graph (see module docstring)
             router = 0.0 * (aux_sum + z_sum)
@@ -208,7 +227,8 @@ class TransformerPipe(PipelineModule):
         super().__init__(layers=layers, topology=topology, loss_fn=PipelineLoss(cfg, groups),
                          partition_method="type:BlockPipe")
         coord = topology.get_coord(self.global_rank)
-        assert (coord.pipe, coord.data) == (groups.pp_rank, groups.dp_rank), "rank layouts differ"
+        assert (coord.pipe, coord.data, coord.model) == (groups.pp_rank, groups.dp_rank,
+                                                         groups.mp_rank), "rank layouts differ"
         self.cfg = cfg
 
     def _blocks(self) -> list[BlockPipe]:
@@ -261,6 +281,22 @@ def before_optimizer_step(engine, fn) -> None:
         fn()
         return take_step(*args, **kwargs)
     engine._take_model_step = hooked
+
+
+def pipeline_ds_config(ds: dict) -> dict:
+    """The DeepSpeed JSON for the pipeline engine: stage outputs and input gradients are sent
+    whole between stages.
+
+    With a 'model' axis (tp x ep > 1), DeepSpeed 0.19.8 defaults to ``pipeline.pipe_partitioned``
+    and ``grad_partitioned``: it cuts the first stage output (and the gradient sent back) into
+    1/(tp*ep) pieces, sends one piece per 'model' rank and all-gathers them over the 'model'
+    axis on the other stage. That assumes the tensor is the same on every 'model' rank: true
+    over tp, false over ep (each ep rank holds other tokens, so the gathered tensor would mix
+    them). It also asserts that no other stage output requires grad, and our carried loss sums
+    do. Both flags are forced off (a JSON that sets them on is overridden).
+    """
+    return {**ds, "pipeline": {**ds.get("pipeline", {}), "pipe_partitioned": False,
+                               "grad_partitioned": False}}
 
 
 def clip_fp32_with_norm(engine, norm_fn) -> None:

@@ -63,10 +63,6 @@ def check_layout(recipe: Recipe, ds: dict) -> None:
         raise ValueError(f"ds_config: zero_optimization.stage ({stage}) with "
                          f"parallel.pipeline_parallel_size ({pp}): DeepSpeed's pipeline engine "
                          f"refuses ZeRO-2/3; use ds_configs/zero1.json or zero0.json")
-    if pp > 1 and par.tensor_parallel_size * par.expert_parallel_size > 1:
-        raise ValueError(f"parallel.pipeline_parallel_size ({pp}) with tensor/expert parallelism "
-                         f"is not supported yet: set tensor_parallel_size and "
-                         f"expert_parallel_size to 1 (pipeline x data parallelism works)")
 
 
 def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
@@ -264,6 +260,9 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
         lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
     # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
     mpu = groups if groups.tp * groups.ep > 1 else None
+    if groups.pp > 1:   # the pipeline's grid is DeepSpeed's mpu (same rank order, launch/pipeline.py)
+        from launch.pipeline import pipeline_ds_config
+        mpu, ds = None, pipeline_ds_config(ds)
     if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)
         checkpoint.enable_universal_checkpoint(model, groups)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,

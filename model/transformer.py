@@ -202,6 +202,25 @@ def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int) -> None:
     init_from_full(module, std_for, seed)
 
 
+def expert_parallel_rows(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """This ep rank's rows of a micro-batch, (B, ...) -> (B/ep, ...): expert-parallel ranks
+    split each micro-batch between them (each routes its own tokens)."""
+    ep = groups.ep
+    if ep == 1:
+        return t
+    if t.shape[0] % ep:
+        raise ValueError(f"micro-batch size ({t.shape[0]}) is not divisible by "
+                         f"parallel.expert_parallel_size ({ep})")
+    part = t.shape[0] // ep
+    return t[groups.ep_rank * part:(groups.ep_rank + 1) * part]
+
+
+def sequence_length(x: torch.Tensor, groups: ParallelGroups) -> int:
+    """Full sequence length of a (B, S, H) residual-stream tensor between blocks (under sequence
+    parallelism it holds S/tp positions), for the RoPE tables."""
+    return x.shape[1] * (groups.tp if groups.sequence_parallel else 1)
+
+
 @dataclass
 class TransformerOutput:
     """What the model returns; the trainer combines the losses (see ``total_loss``)."""
@@ -263,15 +282,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),
         ``-100`` where no target."""
-        ep = self.groups.ep
-        if ep > 1:   # expert parallelism: each ep rank runs its slice of the micro-batch
-            if input_ids.shape[0] % ep:
-                raise ValueError(f"micro-batch size ({input_ids.shape[0]}) is not divisible by "
-                                 f"parallel.expert_parallel_size ({ep})")
-            part = input_ids.shape[0] // ep
-            rows = slice(self.groups.ep_rank * part, (self.groups.ep_rank + 1) * part)
-            input_ids = input_ids[rows]
-            labels = labels[rows] if labels is not None else None
+        input_ids = expert_parallel_rows(input_ids, self.groups)
+        labels = expert_parallel_rows(labels, self.groups) if labels is not None else None
         if self.groups.sequence_parallel and input_ids.shape[1] % self.groups.tp:
             raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
                              f"parallel.tensor_parallel_size ({self.groups.tp}) under "

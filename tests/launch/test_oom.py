@@ -163,3 +163,17 @@ def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):
     monkeypatch.setattr(train, "train", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         train.main(["--config", "ds_configs/zero1.json"])
+
+
+def test_tensor_parallel_rung_turns_on_sequence_parallelism():
+    """Raising tp also splits the sequence when it can (same traffic, less activation memory);
+    a sequence the new tp cannot split keeps sequence parallelism off."""
+    import dataclasses
+    recipe = load_recipe(REPO / "recipes" / "dense_7b.yaml")
+    ds = {"gradient_accumulation_steps": 4}
+    [(what, sets, ds_keys)] = next_layout._rung_tp(recipe, ds, 8, 8)
+    assert sets == {"parallel.tensor_parallel_size": 2, "parallel.sequence_parallel": "true"}, what
+    assert ds_keys == {"gradient_accumulation_steps": 8} and "sequence parallelism" in what
+    odd = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, seq_len=recipe.seq_len - 1))
+    [(_, sets, _)] = next_layout._rung_tp(odd, ds, 8, 8)
+    assert sets == {"parallel.tensor_parallel_size": 2}
