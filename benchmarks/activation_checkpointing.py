@@ -6,7 +6,7 @@ Launch:   python benchmarks/activation_checkpointing.py                 # CPU fp
 
 For each model (the tiny dense and tiny Mixtral recipes, and both at hidden 256 / seq 256) and
 each policy of ``Transformer.set_activation_checkpointing`` (none, full, attention, moe,
-every_k:2):
+experts, every_k:2):
 
 - saved: the bytes autograd holds for backward at the end of the forward, counted with
   ``torch.autograd.graph.saved_tensors_hooks``: distinct storages, parameters excluded, only those
@@ -19,7 +19,8 @@ every_k:2):
   it (on a shared machine other load only ever adds time).
 
 Ratios are against ``none`` of the same model: memory saved = 1 - saved / saved(none);
-recompute overhead = time / time(none) - 1. ``moe`` recomputes nothing in a dense model (n/a).
+recompute overhead = time / time(none) - 1. ``moe`` and ``experts`` recompute nothing in a dense
+model (n/a).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from launch import memory_model as mm  # noqa: E402
 from launch.recipe import load_recipe  # noqa: E402
 from model import Transformer  # noqa: E402
 
-POLICIES = ("none", "full", "attention", "moe", "every_k:2")
+POLICIES = ("none", "full", "attention", "moe", "experts", "every_k:2")
+MOE_ONLY = ("moe", "experts")
 LARGER = ["model.hidden_size=256", "model.max_seq_len=256", "data.seq_len=256"]
 MODELS = {   # name -> (recipe, overrides)
     "tiny-dense": ("recipes/tiny_dense.yaml", []),
@@ -87,7 +89,7 @@ def bench_model(name: str, args) -> list[dict]:
     model = Transformer(cfg).to(device=args.device, dtype=dtype).train()
     ids = torch.randint(0, cfg.vocab_size, (micro, seq), device=args.device)
     labels = torch.randint(0, cfg.vocab_size, (micro, seq), device=args.device)
-    policies = [p for p in POLICIES if p != "moe" or cfg.moe is not None]
+    policies = [p for p in POLICIES if p not in MOE_ONLY or cfg.moe is not None]
     rows = {}
     for policy in policies:
         model.set_activation_checkpointing(policy)
@@ -113,7 +115,7 @@ def bench_model(name: str, args) -> list[dict]:
         row["recompute_overhead"] = row["time_s"] / statistics.median(base["times"]) - 1
         row["recompute_overhead_min"] = row["min_time_s"] / min(base["times"]) - 1
     if cfg.moe is None:
-        rows["moe"] = {"model": name, "policy": "moe", "na": True}
+        rows.update({p: {"model": name, "policy": p, "na": True} for p in MOE_ONLY})
     return [rows[p] for p in POLICIES if p in rows]
 
 

@@ -511,7 +511,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
         elif f.type in (str, "str"):
             p.add_argument(f"--{f.name.replace('_', '-')}", default=f.default,
-                           help="none, full, attention, moe or every_k:<k> (recomputed forward "
+                           help="none, full, attention, moe, experts or every_k:<k> (recomputed forward "
                                 "collectives then count in the backward phase)")
         else:
             p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)

@@ -134,6 +134,8 @@ def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
             total += 2 * attn + 2 * h * seq_len
         elif policy == "moe" and moe:
             total += 2 * ffn
+        elif policy == "experts" and moe:
+            total += 2 * cfg.moe.top_k * 3 * h * f
     return total
 
 
@@ -146,6 +148,8 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
       3 psi per micro-batch (gathers in forward and backward, reduce-scatter); times (dp-1)/dp;
     - TP: 4 all-reduces of b s h per block per micro-batch (2 forward, 2 backward), 2(tp-1)/tp;
     - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
+      once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
+      not ``experts``, which recomputes only the expert FFNs between the exchanges);
     with psi and the layers of one pipeline stage, at ``_bandwidth`` (the rank order is tp,
     ep, dp, pp from fastest: model/parallel/groups.py). Pipeline p2p traffic is ignored.
     """
@@ -165,9 +169,12 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     tp_bytes = 4 * len(layers) * m * t_rank * cfg.hidden_size * a * 2 * (tp - 1) / tp
     ep_bytes = 0.0
     if cfg.moe is not None:
-        moe_layers = sum(cfg.is_moe_layer(i) for i in layers)
-        ep_bytes = (2 * moe_layers * m * 2 * mm.routed_rows(cfg, t_rank) * cfg.hidden_size * a
-                    * (ep - 1) / ep)
+        policy = est["activation_checkpointing"]
+        whole = mm.checkpointed_blocks(cfg, policy)
+        moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
+        redone = sum(i in whole or policy == "moe" for i in moe_layers)   # exchange recomputed
+        ep_bytes = ((2 * len(moe_layers) + redone) * m * 2 * mm.routed_rows(cfg, t_rank)
+                    * cfg.hidden_size * a * (ep - 1) / ep)
     out = {"compute_s": compute / (1 - bubble), "bubble_fraction": bubble,
            "dp_comm_s": dp_bytes / _bandwidth(spec, tp * ep * dp, gpn),
            "tp_comm_s": tp_bytes / _bandwidth(spec, tp, gpn),
@@ -196,7 +203,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
     tps = [t for t in _divisors(cfg.num_heads, gpus_per_node)
            if (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0) and cfg.ffn_hidden_size % t == 0]
     eps = _divisors(cfg.moe.num_experts, world) if cfg.moe is not None else [1]
-    policies = ["none", "full", "attention"] + (["moe"] if cfg.moe is not None else [])
+    policies = ["none", "full", "attention"] + (["moe", "experts"] if cfg.moe is not None else [])
     rows, considered = [], 0
     for tp, ep, pp in itertools.product(tps, eps, _divisors(cfg.num_layers, 8)):
         if world % (tp * ep * pp):

@@ -292,9 +292,13 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
             redo = blk["norm1"] + blk["attention"]
         elif policy == "moe" and "router" in blk:
             redo = blk["norm2"] + blk["router"] + blk["dispatch"] + blk["experts"] + blk["combine"]
+        elif policy == "experts" and "router" in blk:
+            redo = blk["experts"]
         else:
             redo = 0.0
-        stored += full - redo + (block_input if redo else 0.0)
+        # A checkpointed block or sub-layer stores its input; the experts' input is the
+        # dispatched rows, which the dispatch already keeps.
+        stored += full - redo + (block_input if redo and policy != "experts" else 0.0)
         recompute = max(recompute, redo)
     in_flight = layout.pp - stage
     out = {"tokens_per_rank": tokens, "in_flight_micro_batches": in_flight,

@@ -31,7 +31,7 @@ from model.config import CONFIG_CLASSES, FAMILIES, DenseConfig, MoEConfig, Trans
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny_mixtral.yaml"
-CHECKPOINTING_CHOICES = ("none", "full", "attention", "moe", "every_k:<k>")
+CHECKPOINTING_CHOICES = ("none", "full", "attention", "moe", "experts", "every_k:<k>")
 # Byte-level BPE needs its 256 byte symbols plus the end-of-text token (launch/tokenization.py).
 _MIN_BPE_VOCAB = 258
 
@@ -47,9 +47,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule, 1F1B); DeepSpeed allows only ZeRO-0/1 with it."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism: keep the activations between TP regions (residual stream,
-    norms) split along the sequence over the TP group; data.seq_len must be a multiple of
-    tensor_parallel_size. No effect with tensor_parallel_size 1."""
+    """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
     expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
     """Which experts an EP rank holds: a contiguous block, or every ep-th expert."""
 
@@ -123,7 +121,7 @@ class TrainConfig:
     log_every: int = 10
     """Steps between console lines (metrics.jsonl gets every step)."""
     activation_checkpointing: str = "none"
-    """Recompute in backward: none | full | attention | moe | every_k:<k> (every k-th block)."""
+    """Recompute in backward: none | full | attention | moe | experts (expert FFNs) | every_k:<k>."""
     memory_snapshot: bool = False
     """On a GPU, record allocation stack traces for the out-of-memory report's snapshot (slower)."""
     spike_action: Literal["log", "skip", "stop"] = "log"
@@ -288,9 +286,10 @@ def _check_cross(r: Recipe) -> None:
     if k is not None and k > m.num_layers:
         raise ValueError(f"train.activation_checkpointing (every_k:{k}) exceeds model.num_layers "
                          f"({m.num_layers}): choose k <= {m.num_layers}")
-    if r.train.activation_checkpointing == "moe" and m.moe is None:
-        raise ValueError("train.activation_checkpointing (moe) needs MoE layers but model.family "
-                         "is dense: use full, attention or every_k:<k>")
+    policy = r.train.activation_checkpointing
+    if policy in ("moe", "experts") and m.moe is None:
+        raise ValueError(f"train.activation_checkpointing ({policy}) needs MoE layers but "
+                         f"model.family is dense: use full, attention or every_k:<k>")
 
 
 def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recipe:

@@ -146,10 +146,13 @@ class Block(nn.Module):
         self.checkpoint_ffn = False
 
     def set_checkpointing(self, policy: str) -> None:
-        """Recompute a sub-layer in backward under the ``attention`` and ``moe`` policies (the
-        whole-block policies are applied by the caller, see ``blocks_to_checkpoint``)."""
+        """Recompute a sub-layer in backward under the ``attention`` and ``moe`` policies, or
+        only the expert FFNs under ``experts`` (the whole-block policies are applied by the
+        caller, see ``blocks_to_checkpoint``)."""
         self.checkpoint_attention = policy == "attention"
         self.checkpoint_ffn = policy == "moe" and self.is_moe
+        if self.is_moe:
+            self.mlp.checkpoint_experts = policy == "experts"
 
     def _attention(self, x, rope):
         return self.self_attn(self.input_layernorm(x), rope)
@@ -177,9 +180,9 @@ def blocks_to_checkpoint(policy: str, num_layers: int) -> set[int]:
     full = set(range(num_layers)) if policy == "full" else set()
     if policy.startswith("every_k:"):
         full = set(range(0, num_layers, int(policy.split(":", 1)[1])))
-    elif policy not in ("none", "full", "attention", "moe"):
+    elif policy not in ("none", "full", "attention", "moe", "experts"):
         raise ValueError(f"train.activation_checkpointing ({policy!r}) must be none, full, "
-                         f"attention, moe or every_k:<k>")
+                         f"attention, moe, experts or every_k:<k>")
     return full
 
 
@@ -267,8 +270,9 @@ class Transformer(nn.Module):
         """Choose what backward recomputes instead of storing.
 
         ``none``; ``full`` (every block; stores only block inputs); ``attention`` (the attention
-        sub-layer of every block); ``moe`` (the MoE FFN sub-layers); ``every_k:<k>`` (blocks 0, k,
-        2k, ... whole).
+        sub-layer of every block); ``moe`` (the MoE FFN sub-layers); ``experts`` (only the expert
+        FFNs inside the MoE layers: routing and the expert-parallel exchange are not repeated);
+        ``every_k:<k>`` (blocks 0, k, 2k, ... whole).
         """
         self.checkpoint_blocks = blocks_to_checkpoint(policy, self.cfg.num_layers)
         for layer in self.layers:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from model.config import MoEConfig
 from model.moe import dispatcher, losses
@@ -70,6 +71,9 @@ class MoELayer(nn.Module):
         position[torch.tensor(order)] = torch.arange(moe.num_experts)
         self.register_buffer("expert_position", position, persistent=False)
         self.register_buffer("expert_order", torch.tensor(order), persistent=False)
+        # Activation checkpointing of the expert FFNs only (``experts`` policy): backward
+        # recomputes the grouped GEMMs between the exchanges, not the routing or the exchanges.
+        self.checkpoint_experts = False
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """(B, S, H) -> (B, S, H) and the layer's auxiliary outputs (S/tp under sequence
@@ -100,7 +104,7 @@ class MoELayer(nn.Module):
         if ep > 1:
             y = self._exchange(rows, plan.tokens_per_expert)
         else:
-            y = self.experts(rows, plan.tokens_per_expert)                  # (N, H) partial over tp
+            y = self._experts(rows, plan.tokens_per_expert)                 # (N, H) partial over tp
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
         out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
@@ -114,6 +118,11 @@ class MoELayer(nn.Module):
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
             entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach())
         return out, aux
+
+    def _experts(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint_experts and self.training:
+            return torch.utils.checkpoint.checkpoint(self.experts, rows, per_expert, use_reentrant=False)
+        return self.experts(rows, per_expert)
 
     def _exchange(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """Send each row to the rank holding its expert, run the local experts, send back.
@@ -134,7 +143,7 @@ class MoELayer(nn.Module):
         local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
         row_expert = torch.repeat_interleave(local_id, recv.flatten())      # (N_recv,)
         order = torch.argsort(row_expert, stable=True)
-        y = self.experts(received.index_select(0, order), recv.sum(0))      # (N_recv, H)
+        y = self._experts(received.index_select(0, order), recv.sum(0))     # (N_recv, H)
         y = y.index_select(0, torch.argsort(order))                         # back to source order
         return comm.all_to_all(y, in_splits, out_splits, g.ep_group)        # (N, H)
 

@@ -14,6 +14,9 @@ Groups (each a set of ranks that differ only in the named coordinates):
     batch  ep x dp: every rank that sees different tokens (for loss and statistics sums)
     pp     pipeline stages
 
+Sequence parallelism is not a group: with ``sequence_parallel`` the tp group also splits the
+sequence between the tensor-parallel regions (``model/parallel/layers.py``).
+
 Expert parallelism is folded into DeepSpeed's model-parallel group (DESIGN.md section 6,
 option 2 generalized): experts are sharded across ``ep`` like tensor-parallel shards, every other
 parameter is replicated across ``ep`` with its gradient summed there by ``sync_grad``, and ZeRO

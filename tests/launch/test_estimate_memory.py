@@ -137,7 +137,7 @@ def one_thread():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", "full", "experts"])
 @pytest.mark.parametrize("family", ["tiny_dense", "tiny_mixtral"])
 def test_activation_bytes_match_saved_tensors(family, policy, dtype, one_thread):
     from model import Transformer

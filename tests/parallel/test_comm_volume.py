@@ -91,3 +91,15 @@ def test_every_collective_is_explained_and_replicas_sync_once(rows):
                         # ep; tp with sequence parallelism: every norm weight once over tp
         assert r.phase == "backward" and r.elements == r.minimum and not r.note, r
     assert not [r for r in rows if r.layout.startswith("tp") and r.traffic.startswith("MoE")]
+
+
+def test_experts_checkpointing_does_not_repeat_the_expert_exchange():
+    """``moe`` recomputes the whole MoE layer in backward, so its forward exchange runs again
+    (6 k·T·h exchanges per layer instead of 4); ``experts`` recomputes only the expert FFNs
+    between the exchanges and keeps 4."""
+    k, h, tokens = SIZES.top_k, SIZES.hidden, SIZES.batch * SIZES.seq
+    for policy, per_layer in (("moe", 6), ("experts", 4)):
+        sizes = cv.Sizes(**{**SIZES.__dict__, "activation_checkpointing": policy})
+        got = [r for r in cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
+               if r.scope == "block" and r.traffic.startswith(("MoE dispatch", "MoE combine"))]
+        assert sum(r.elements for r in got) == per_layer * k * tokens * h, (policy, got)
