@@ -150,6 +150,8 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
       once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
       not ``experts``, which recomputes only the expert FFNs between the exchanges);
+    - EP, replicated parameters: every parameter outside the experts is summed over ep by
+      ``sync_grad`` once per micro-batch (2 psi_other bytes, 2(ep-1)/ep), not once per step;
     with psi and the layers of one pipeline stage, at ``_bandwidth`` (the rank order is tp,
     ep, dp, pp from fastest: model/parallel/groups.py). Pipeline p2p traffic is ignored.
     """
@@ -175,6 +177,8 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
         redone = sum(i in whole or policy == "moe" for i in moe_layers)   # exchange recomputed
         ep_bytes = ((2 * len(moe_layers) + redone) * m * 2 * mm.routed_rows(cfg, t_rank)
                     * cfg.hidden_size * a * (ep - 1) / ep)
+        other = max(st["params"]["other"] for st in est["stages"])
+        ep_bytes += m * other * a * 2 * (ep - 1) / ep
     out = {"compute_s": compute / (1 - bubble), "bubble_fraction": bubble,
            "dp_comm_s": dp_bytes / _bandwidth(spec, tp * ep * dp, gpn),
            "tp_comm_s": tp_bytes / _bandwidth(spec, tp, gpn),
