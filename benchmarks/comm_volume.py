@@ -20,7 +20,9 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
 * TP with sequence parallelism (Megatron SP): each all-reduce becomes a reduce-scatter of the same
   b*s*h tensor plus an all-gather of this rank's b*s*h/tp shard, at the same places (a ring
   all-reduce *is* a reduce-scatter then an all-gather, so the bytes on the wire are the same);
-  the norms' weight gradients are summed over tp once per backward (per parameter, like sync_grad).
+  backward gathers once more where column-parallel layers stored only their input's shard (q/k/v,
+  gate/up, the output head; not the MoE layer, which stores no gathered input); the norms' weight
+  gradients are summed over tp once per backward (per parameter, like sync_grad).
 * EP: dispatch and combine each move exactly the routed rows (sum of tokens_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
@@ -64,10 +66,10 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
 # model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
 HELPERS = ("copy_to_region", "reduce_from_region", "gather_last_dim", "all_to_all", "sync_grad",
            "all_to_all_counts", "all_reduce_sum", "all_reduce_max", "gather_sequence",
-           "reduce_scatter_sequence")
+           "reduce_scatter_sequence", "gather_sequence_linears")
 # Helpers whose backward issues the conjugate collective (labelled like the forward call).
 CONJUGATE = ("copy_to_region", "sync_grad", "all_to_all", "gather_sequence",
-             "reduce_scatter_sequence")
+             "reduce_scatter_sequence", "gather_sequence_linears")
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class CommRecorder:
         self._params = {id(p): n for n, p in model.named_parameters()}
         self._modules: list[str] = []         # forward call stack of module names
         self._labels: list[dict] = []         # comm helper being run (forward)
-        self._pending: dict | None = None     # label of the backward node about to run
+        self._pending: dict | None = None     # label of the backward node running
         self._a2a_calls: dict[str, int] = defaultdict(int)
         self._saved: list[tuple] = []
         self._hooks: list = []
@@ -175,10 +177,12 @@ class CommRecorder:
                 out = fn(x, *args, **kwargs)
             finally:
                 self._labels.pop()
-            if (kind in CONJUGATE and isinstance(out, torch.Tensor)
-                    and out is not x and out.grad_fn is not None):
-                # The node's backward issues the conjugate collective: name it the same.
-                out.grad_fn.register_prehook(lambda grads, label=label: self._set_pending(label))
+            first = out[0] if isinstance(out, tuple) else out     # outputs share one node
+            if (kind in CONJUGATE and isinstance(first, torch.Tensor)
+                    and first is not x and first.grad_fn is not None):
+                # The node's backward issues the conjugate collective(s): name them the same.
+                first.grad_fn.register_prehook(lambda grads, label=label: self._set_pending(label))
+                first.grad_fn.register_hook(lambda *_: self._set_pending(None))
             return out
         return wrapper
 
@@ -209,7 +213,6 @@ class CommRecorder:
             splits = a.get("input_split_sizes") or [tensor[0].shape[0] // size] * size
             off_rank = elements - splits[me] * (elements // max(1, tensor[0].shape[0]))
         label = self._labels[-1] if self._labels else (self._pending or {})
-        self._pending = None
         self.records.append(dict(
             op=op, phase=self.phase, group=self._group_name(group),
             group_size=dist.get_world_size(group), elements=elements, off_rank=off_rank,
@@ -435,9 +438,13 @@ def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> No
     """Fill the row's analytic minimum and check the measurement against it."""
     t, h, T, layers, moe, ep = row.traffic, s.hidden, ctx["T"], ctx["layers"], ctx["moe"], ctx["ep"]
     if t.startswith(("attention", "FFN", "embedding")) and row.op == "all_gather":
-        # Sequence parallelism: each rank contributes its shard of every gathered b*s*h.
+        # Sequence parallelism: each rank contributes its shard of every gathered b*s*h: one
+        # per region entry forward, and backward one per region exit plus one per entry by
+        # column-parallel layers, which store only the shard and gather it again (Megatron).
         n = 1 if t.startswith("embedding") else layers
-        row.minimum, row.formula = n * T * h // ctx["tp"], f"{n}·b·s·h/tp (shard)"
+        if row.phase == "backward":
+            n += n - (moe if t.startswith("FFN") else 0)    # MoE layers store no gathered input
+        row.minimum, row.formula = n * T * h // ctx["tp"], f"{n}·b·s·h/tp (shards)"
     elif t.startswith(("attention", "FFN")):
         row.minimum, row.formula = layers * T * h, f"{layers}·b·s·h"
     elif t.startswith("routing-weight"):

@@ -219,8 +219,8 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                 continue
             ds = dict(bases[stage], train_micro_batch_size_per_gpu=micro,
                       gradient_accumulation_steps=global_batch // (micro * dp))
-            # Sequence parallelism whenever tp > 1 can split the sequence: the same traffic as
-            # tensor parallelism alone, with the norms' activations split by tp.
+            # Sequence parallelism whenever tp > 1 can split the sequence: activations split by
+            # tp for one more all-gather per sub-layer in backward (not in step_time: small).
             sp = tp > 1 and recipe.seq_len % tp == 0
             r = dataclasses.replace(
                 recipe, parallel=ParallelConfig(tp, ep, pp, sp, recipe.parallel.expert_placement),

@@ -183,14 +183,19 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
 # ---------------------------------------------------------------------------------------------
 # Activations: what autograd saves, tensor by tensor, as model/transformer.py and model/moe/* run.
 
-def norm_bytes(h: int, a: int, tp: int = 1, sp: bool = False) -> float:
+def norm_bytes(h: int, a: int, tp: int = 1, sp: bool = False, moe_input: bool = False) -> float:
     """One RMSNorm per token: its fp32 input ``x.float()`` (4h; in fp32 the residual itself),
     rsqrt (4), the normalized ``x`` that ``weight *`` saves (a h), and the product, the input
-    the next matmuls save (a h). Under sequence parallelism the norm runs on this rank's 1/tp of
-    the tokens and the matmuls save the all-gathered product instead (a h for every token)."""
-    if sp:
-        return (FP32 * h + a * h + FP32) / tp + a * h
-    return FP32 * h + 2 * a * h + FP32
+    the next matmuls save (a h). Under sequence parallelism all of it is this rank's 1/tp of
+    the tokens (column-parallel layers store the shard of their input and gather it again in
+    backward). Before an MoE layer the product is saved only by an fp32 router (a bf16 router
+    keeps its own fp32 copy, counted with the router), and under sequence parallelism that is
+    the gathered product, a h for every token."""
+    split = tp if sp else 1
+    own = (FP32 * h + a * h + FP32) / split
+    if not moe_input:
+        return own + a * h / split
+    return own + (a * h if a == FP32 else 0)
 
 
 def routed_rows(cfg: TransformerConfig, tokens: float) -> float:
@@ -225,7 +230,8 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     heads = cfg.num_heads / tp
     kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
     kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
-    out = {"norm1": tokens * norm_bytes(h, a, tp, sp), "norm2": tokens * norm_bytes(h, a, tp, sp),
+    out = {"norm1": tokens * norm_bytes(h, a, tp, sp),
+           "norm2": tokens * norm_bytes(h, a, tp, sp, moe_input=cfg.is_moe_layer(layer)),
            "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads)}
     if not cfg.is_moe_layer(layer):
         out["mlp"] = tokens * 4 * a * f / tp

@@ -174,7 +174,7 @@ def _rung_tp(recipe, ds, world, gpn):
     sets = {"parallel.tensor_parallel_size": 2 * tp}
     what = f"tensor parallelism {tp} -> {2 * tp}"
     if not par.sequence_parallel and recipe.seq_len % (2 * tp) == 0:
-        # Same traffic as tensor parallelism alone, the norms' activations split by tp.
+        # Activations between the tensor-parallel regions split by tp too.
         sets["parallel.sequence_parallel"] = "true"
         what += " with sequence parallelism"
     return [(f"{what} (accumulation {acc} -> {acc * 2} keeps the batch)", sets,

@@ -21,7 +21,7 @@ from model.moe.layer import MoEAux, MoELayer
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   cross_entropy_sum, enter_tp_region, init_from_full,
+                                   column_parallel_linears, cross_entropy_sum, init_from_full,
                                    kv_heads_for_rank, replicated)
 
 IGNORE_INDEX = -100
@@ -94,9 +94,9 @@ class Attention(nn.Module):
         self.groups = g
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = enter_tp_region(x, self.groups)            # one gradient all-reduce for q, k and v
-        B, S, _ = x.shape
-        q, k, v = (proj(x, input_copied=True) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = column_parallel_linears(           # one gradient all-reduce for q, k and v
+            x, [p.synced_weight() for p in (self.q_proj, self.k_proj, self.v_proj)], self.groups)
+        B, S, _ = q.shape                              # S: the whole sequence, also under SP
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
         v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
@@ -122,8 +122,8 @@ class MLP(nn.Module):
         self.groups = groups or ParallelGroups()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.groups)           # one gradient all-reduce for gate and up
-        gate, up = self.gate_proj(x, input_copied=True), self.up_proj(x, input_copied=True)
+        gate, up = column_parallel_linears(           # one gradient all-reduce for gate and up
+            x, [p.synced_weight() for p in (self.gate_proj, self.up_proj)], self.groups)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def _active(group) -> bool:
@@ -107,13 +108,15 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
-def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """All-gather the ranks' shards of ``x`` and concatenate them along ``dim`` (no autograd)."""
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's chunk along ``dim`` (no autograd)."""
     chunks = [c.contiguous() for c in x.chunk(dist.get_world_size(group), dim=dim)]
     out = torch.empty_like(chunks[0])
     dist.reduce_scatter(out, chunks, group=group)
@@ -128,11 +131,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+        return gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -143,11 +146,33 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
+        return reduce_scatter_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.group), None, None
+        return gather_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSequenceLinears(torch.autograd.Function):
+    """Sequence parallelism's entry into column-parallel layers, as Megatron does it: all-gather
+    the (B, S/tp, H) shard and apply each weight, but keep only the shard for backward and
+    all-gather it again there for the weight gradients, so the full (B, S, H) input is never
+    stored. Backward: the input gradient is summed over the layers, then reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x, group, *weights):
+        ctx.group = group
+        ctx.save_for_backward(x, *weights)
+        full = gather_dim(x, 1, group)
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = gather_dim(x, 1, ctx.group).flatten(0, -2)                  # (B*S, H)
+        grad_full = sum(g @ w for g, w in zip(grads, weights))              # (B, S, H)
+        grad_weights = [g.flatten(0, -2).t() @ full for g in grads]         # (out, H) each
+        return reduce_scatter_dim(grad_full, 1, ctx.group), None, *grad_weights
 
 
 class _GradOnFirstRank(torch.autograd.Function):
@@ -206,6 +231,12 @@ def reduce_scatter_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.
     """Megatron sequence parallelism, leaving a tensor-parallel region: sum the partial outputs
     and keep this rank's sequence shard along ``dim`` forward; all-gather the gradient backward."""
     return _ReduceScatterSequence.apply(x, dim, group) if _active(group) else x
+
+
+def gather_sequence_linears(x: torch.Tensor, weights, group) -> tuple[torch.Tensor, ...]:
+    """``F.linear(gather_sequence(x), w)`` for each of ``weights``, storing only the shard ``x``
+    for backward (see ``_GatherSequenceLinears``); needs a real group."""
+    return _GatherSequenceLinears.apply(x, group, *weights)
 
 
 def grad_counted_once(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -13,9 +13,11 @@ Sequence parallelism (Megatron, Korthikanti et al. 2022), when ``groups.sequence
 activations between tensor-parallel regions (residual stream, norms) are split along the
 sequence over tp instead of replicated, cutting their memory by tp. A region is entered by an
 all-gather of the sequence (instead of the identity) and left by a reduce-scatter (instead of an
-all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so the traffic is the same.
-``enter_tp_region`` and ``leave_tp_region`` pick the pair; the norms, whose tokens now differ per
-tp rank, sum their weight gradient over tp.
+all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so the traffic is the same, plus, as in
+Megatron, one more all-gather in backward: column-parallel layers store only the input's shard
+and gather it again for their weight gradients. ``column_parallel_linears``, ``enter_tp_region``
+and ``leave_tp_region`` pick the collectives; the norms, whose tokens now differ per tp rank, sum
+their weight gradient over tp.
 """
 
 from __future__ import annotations
@@ -75,6 +77,16 @@ def check_tp_divides(name: str, value: int, tp: int, fix: str = "") -> None:
                          f"({tp}): {fix or f'choose a tensor_parallel_size that divides {value}'}")
 
 
+def column_parallel_linears(x: torch.Tensor, weights, groups: ParallelGroups) -> tuple[torch.Tensor, ...]:
+    """Apply column-parallel weights that read one input ``x`` (q, k and v; gate and up): one
+    gradient all-reduce for all of them; under sequence parallelism one all-gather of the
+    sequence, storing only this rank's shard for backward (``comm.gather_sequence_linears``)."""
+    if groups.sequence_parallel:
+        return comm.gather_sequence_linears(x, weights, groups.tp_group)
+    x = comm.copy_to_region(x, groups.tp_group)
+    return tuple(F.linear(x, w) for w in weights)
+
+
 def enter_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """The input of column-parallel layers: (B, S, H) replicated over tp, with its gradient
     summed over tp; under sequence parallelism gathered from the (B, S/tp, H) shards."""
@@ -122,15 +134,17 @@ class ColumnParallelLinear(nn.Module):
         sharded = ("tp",) if len(out_index) < out_features else ()
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
 
-    def forward(self, x: torch.Tensor, input_copied: bool = False) -> torch.Tensor:
-        """``input_copied``: the caller already passed ``x`` through ``enter_tp_region`` (several
-        column-parallel layers reading one input then share one gradient all-reduce)."""
-        if not input_copied:
-            x = enter_tp_region(x, self.groups)
+    def synced_weight(self) -> torch.Tensor:
+        """The weight as the forward uses it: its gradient summed over ep (replicated there),
+        and over tp when every tp rank holds all rows."""
         weight = comm.sync_grad(self.weight, self.groups.ep_group)
         if self.replicated_over_tp:
             weight = comm.sync_grad(weight, self.groups.tp_group)
-        return F.linear(x, weight)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Layers that share an input go through ``column_parallel_linears`` together."""
+        return column_parallel_linears(x, (self.synced_weight(),), self.groups)[0]
 
 
 class RowParallelLinear(nn.Module):
@@ -172,7 +186,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
         weight = comm.sync_grad(self.weight, self.groups.ep_group)
         if unembed:
-            return F.linear(enter_tp_region(x, self.groups), weight)
+            return column_parallel_linears(x, (weight,), self.groups)[0]
         if self.groups.tp == 1:
             return F.embedding(x, weight)
         outside = (x < self.start) | (x >= self.end)
@@ -272,6 +286,7 @@ def local_size(total: int, groups) -> int:
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "check_tp_divides", "cross_entropy_sum", "enter_tp_region", "even_slice",
+           "check_tp_divides", "column_parallel_linears", "cross_entropy_sum", "enter_tp_region",
+           "even_slice",
            "init_from_full", "kv_heads_for_rank", "leave_tp_region", "local_size", "replicated",
            "shard_param", "take_shard"]
