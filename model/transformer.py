@@ -292,7 +292,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
                              f"parallel.tensor_parallel_size ({self.groups.tp}) under "
                              f"parallel.sequence_parallel")
-        x = self.embed_tokens(input_ids)                        # (B, S, H); S/tp under SP
+        # Tied: both uses share one gradient sum over ep.
+        tied = self.embed_tokens.synced_weight() if self.lm_head is None else None
+        x = self.embed_tokens(input_ids, weight=tied)           # (B, S, H); S/tp under SP
         rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):
@@ -303,7 +305,10 @@ class Transformer(nn.Module):
             if aux is not None:
                 moe_aux.append(aux)
         x = self.norm(x)
-        logits = self.embed_tokens(x, unembed=True) if self.lm_head is None else self.lm_head(x)  # (B, S, V)
+        if self.lm_head is None:
+            logits = self.embed_tokens(x, unembed=True, weight=tied)          # (B, S, V/tp)
+        else:
+            logits = self.lm_head(x)
         out = TransformerOutput(logits=logits, moe_aux=moe_aux)
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the

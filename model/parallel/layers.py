@@ -170,7 +170,8 @@ class VocabParallelEmbedding(nn.Module):
     ``forward(ids)``: each rank looks up the ids in its range, zeros the rest, and the partial
     embeddings are summed over tp (under sequence parallelism each rank keeps its (B, S/tp, H)
     shard of the sum). ``forward(h, unembed=True)``: this rank's slice of the logits, (B, S, V/tp),
-    for ``cross_entropy_sum``.
+    for ``cross_entropy_sum``. A tied model passes both calls one ``synced_weight()``, so the
+    weight's gradient is summed over ep once, not once per use.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, groups=None):
@@ -183,8 +184,13 @@ class VocabParallelEmbedding(nn.Module):
         shard_param(self.weight, g, (vocab_size, hidden_size),
                     [(0, list(range(self.start, self.end)))], ("tp",) if tp > 1 else ())
 
-    def forward(self, x: torch.Tensor, unembed: bool = False) -> torch.Tensor:
-        weight = comm.sync_grad(self.weight, self.groups.ep_group)
+    def synced_weight(self) -> torch.Tensor:
+        """The weight with its gradient summed over ep (replicated there)."""
+        return comm.sync_grad(self.weight, self.groups.ep_group)
+
+    def forward(self, x: torch.Tensor, unembed: bool = False,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.synced_weight() if weight is None else weight
         if unembed:
             return column_parallel_linears(x, (weight,), self.groups)[0]
         if self.groups.tp == 1:

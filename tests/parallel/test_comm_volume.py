@@ -106,3 +106,12 @@ def test_experts_checkpointing_does_not_repeat_the_expert_exchange():
         got = [r for r in cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
                if r.scope == "block" and r.traffic.startswith(("MoE dispatch", "MoE combine"))]
         assert sum(r.elements for r in got) == per_layer * k * tokens * h, (policy, got)
+
+
+def test_tied_embedding_gradient_is_summed_over_ep_once():
+    # The embedding and the tied head share one sync_grad: one all-reduce per replicated
+    # parameter (``analyse`` notes any parameter summed more often).
+    sizes = cv.Sizes(**{**SIZES.__dict__, "tie_embeddings": True})
+    sync = [r for r in cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
+            if r.scope == "model" and r.traffic.startswith("replicated")]
+    assert len(sync) == 1 and not sync[0].note and sync[0].elements == sync[0].minimum, sync

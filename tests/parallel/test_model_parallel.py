@@ -81,6 +81,7 @@ def _two_ranks(rank, world):
     _check(cfgs["mixtral"], ep2, "ep2/mixtral")
     _check(cfgs["switch"], ep2, "ep2/switch")
     _check(cfgs["mixtral"], ep2, "ep2/mixtral/experts-checkpointing", "experts")
+    _check(cfgs["dense_tied_1kv"], ep2, "ep2/dense-tied")     # one gradient sum, two uses
     rr = build_groups(ep=2, expert_placement="round_robin")
     _check(cfgs["mixtral"], rr, "ep2-round-robin/mixtral")
     # Each ep rank holds different experts; placements differ as documented.
