@@ -13,9 +13,9 @@ Sequence parallelism (Megatron, Korthikanti et al. 2022), when ``groups.sequence
 activations between tensor-parallel regions (residual stream, norms) are split along the
 sequence over tp instead of replicated, cutting their memory by tp. A region is entered by an
 all-gather of the sequence (instead of the identity) and left by a reduce-scatter (instead of an
-all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so the traffic is the same, plus, as in
-Megatron, one more all-gather in backward: column-parallel layers store only the input's shard
-and gather it again for their weight gradients. ``column_parallel_linears``, ``enter_tp_region``
+all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so that traffic is the same.
+As in Megatron, backward gathers once more: column-parallel layers store only their input's
+shard and gather it again for their weight gradients. ``column_parallel_linears``, ``enter_tp_region``
 and ``leave_tp_region`` pick the collectives; the norms, whose tokens now differ per tp rank, sum
 their weight gradient over tp.
 """
@@ -293,6 +293,5 @@ def local_size(total: int, groups) -> int:
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "check_tp_divides", "column_parallel_linears", "cross_entropy_sum", "enter_tp_region",
-           "even_slice",
-           "init_from_full", "kv_heads_for_rank", "leave_tp_region", "local_size", "replicated",
-           "shard_param", "take_shard"]
+           "even_slice", "init_from_full", "kv_heads_for_rank", "leave_tp_region", "local_size",
+           "replicated", "shard_param", "take_shard"]
