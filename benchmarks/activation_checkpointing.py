@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from launch import memory_model as mm  # noqa: E402
-from launch.recipe import load_recipe  # noqa: E402
+from planning import memory_model as mm  # noqa: E402
+from training.recipe import load_recipe  # noqa: E402
 from model import Transformer  # noqa: E402
 
 POLICIES = ("none", "full", "attention", "moe", "experts", "every_k:2")

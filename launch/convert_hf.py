@@ -7,7 +7,7 @@
 ``export`` writes a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer`` load: dense as
 ``LlamaForCausalLM``, mixtral as ``MixtralForCausalLM`` (safetensors), with the same loss on any
 text. ``import`` reads a local Llama/Mixtral folder and writes an init dir (see
-``launch/hf_interop.py``). Nothing is downloaded. Bad input ends with one line on stderr and
+``interop/hf.py``). Nothing is downloaded. Bad input ends with one line on stderr and
 exit code 2.
 """
 
@@ -23,7 +23,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from launch import hf_interop  # noqa: E402
+from interop import hf as hf_interop  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             if not args.run_dir.is_dir():
                 raise FileNotFoundError(f"--run-dir {args.run_dir}: no such directory")
-            from launch.checkpoint import load_run_model
+            from training.checkpoint import load_run_model
             model, cfg, tokenizer = load_run_model(args.run_dir)
             log(f"loaded {args.run_dir}")         # after the checks: a bad --run-dir is one line
             export_hf(model, cfg, tokenizer, args.out, DTYPES[args.dtype])

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 def evaluate_text(model, tokenizer, text: str, seq_len: int, batch_size: int = 8,
                   device: str = "cpu") -> dict:
     """Loss of ``model`` over ``text`` in windows of ``seq_len`` (see module docstring)."""
-    from launch import data
+    from training import data
 
     tokens = data.encode_texts([text], tokenizer)
     layout = data.BatchLayout(batch_size, batch_size)
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--text-file {text_file}: file not found")
         if args.batch_size < 1:
             raise ValueError(f"--batch-size: {args.batch_size} must be >= 1")
-        from launch.checkpoint import load_run_model
-        from launch.recipe import recipe_from_dict
+        from training.checkpoint import load_run_model
+        from training.recipe import recipe_from_dict
         model, _, tokenizer = load_run_model(Path(args.run_dir))
         resolved = json.loads((Path(args.run_dir) / "config.json").read_text())
         seq_len = recipe_from_dict(resolved["recipe"]).seq_len

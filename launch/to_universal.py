@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from launch import checkpoint  # noqa: E402
+from training import checkpoint  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
     inject = "universal_checkpoint_info" not in info
     if inject and info.get("mp_world_size", 1) > 1:   # without it, DeepSpeed merges tp x ep wrongly
         raise ValueError(f"{folder}: a tensor/expert-parallel checkpoint saved without "
-                         f"universal_checkpoint_info (before launch/run_setup.py recorded it): "
+                         f"universal_checkpoint_info (before training/run_setup.py recorded it): "
                          f"resume it at its layout and convert a later checkpoint")
     return folder, tag, inject    # data-parallel only: the empty info DeepSpeed injects is right
 

@@ -7,7 +7,7 @@ Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
 ``python launch/train.py ...`` (one process). Everything the run needs is validated before any
 process group is created or any file written; a bad input is one line on stderr and exit code 2.
 Running out of memory is one line too, exit code 3, with a report and the next layout to try in
-the run directory (``launch/oom.py``).
+the run directory (``planning/oom.py``).
 Running the same command again with the same run directory resumes from the newest complete
 checkpoint with the same data order and RNG streams.
 
@@ -29,8 +29,9 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from launch import checkpoint, ds_config, oom, run_setup, stepping  # noqa: E402
-from launch.recipe import Recipe, load_recipe  # noqa: E402
+from training import checkpoint, ds_config, run_setup, stepping  # noqa: E402
+from planning import oom  # noqa: E402
+from training.recipe import Recipe, load_recipe  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -115,7 +115,7 @@ def test_model_parallel_change_resumes_exactly(base, source, target, tmp_path):
     """Experts split over ep (dim 0) <-> every weight split over tp (column dim 0, row dim 1):
     the shards merge by the affine maps built from each parameter's ``shard_spec`` and are cut
     again for the new ranks. dp = 1 on both sides: global batch 8. ZeRO-3 also needs the
-    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (launch/checkpoint.py)."""
+    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (training/checkpoint.py)."""
     config = _config(tmp_path, base, base=base)
     launch(tmp_path / "control", config, extra=NO_JITTER + LAYOUTS[source])
     run_dir = tmp_path / "run"
@@ -130,11 +130,11 @@ def test_model_parallel_change_resumes_exactly(base, source, target, tmp_path):
 @pytest.mark.parametrize("tp, ep, placement", [(2, 1, "contiguous"), (1, 2, "contiguous"),
                                                 (2, 2, "round_robin"), (4, 1, "contiguous")])
 def test_shard_maps_cut_and_merge_every_parameter_like_its_shard_spec(tp, ep, placement):
-    from launch.checkpoint import shard_maps
+    from training.checkpoint import shard_maps
     from model import Transformer
     from model.parallel.groups import ParallelGroups
     from model.parallel.layers import take_shard
-    from launch.recipe import load_recipe
+    from training.recipe import load_recipe
     from tests.runs import SMALL
     cfg = load_recipe(None, SMALL).model
     full = {n: p.detach() for n, p in Transformer(cfg, None, init_seed=3).named_parameters()}

@@ -47,7 +47,7 @@ SWITCH_EXPORT_ERROR = (
     "encoder-decoder (relative-position buckets instead of RoPE, unscaled attention, ReLU "
     "wi/wo FFN instead of SwiGLU, integer per-sequence expert capacity) with no causal-LM class; "
     "fix: train family mixtral for an HF-loadable MoE (see SWITCH_HF_DIFFERENCES in "
-    "launch/hf_interop.py)")
+    "interop/hf.py)")
 
 # README text: why a Switch model has no exact HF export (checked against transformers 5.24,
 # transformers/models/switch_transformers/).

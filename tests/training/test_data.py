@@ -1,4 +1,4 @@
-"""Tests for launch/data.py and launch/tokenization.py: corpus, split, packing, sampling, caches.
+"""Tests for training/data.py and training/tokenization.py: corpus, split, packing, sampling, caches.
 
 Small corpora (a ~200 KB slice of the stdlib, a few synthetic documents) keep this file fast.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from launch.data import (
+from training.data import (
     IGNORE_INDEX,
     BatchLayout,
     Document,
@@ -28,7 +28,7 @@ from launch.data import (
     tokenize_documents,
     validation_batches,
 )
-from launch.tokenization import EOS_TOKEN, load_tokenizer, tokenizer_fingerprint
+from training.tokenization import EOS_TOKEN, load_tokenizer, tokenizer_fingerprint
 
 SMALL_BYTES = 200_000
 
@@ -154,7 +154,7 @@ def test_tokenizer_trains_caches_reloads_and_round_trips(tokenizer, small_corpus
 
 
 def test_tokenizer_cache_survives_a_concurrent_writer(tmp_path, monkeypatch):
-    import launch.tokenization as tokenization
+    import training.tokenization as tokenization
 
     texts = [f"line {i}: " + "spam eggs " * (i % 7) for i in range(200)]
     winner = load_tokenizer(None, texts, 300, tmp_path / "other")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import recipe as recipe_mod
-from launch.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, recipe_from_dict
+from training import recipe as recipe_mod
+from training.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, recipe_from_dict
 from model.config import DenseConfig, MixtralConfig, SwitchConfig
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))

@@ -9,8 +9,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch import ds_config, run_setup, stepping  # noqa: E402
-from launch.recipe import load_recipe  # noqa: E402
+from training import ds_config, run_setup, stepping  # noqa: E402
+from training.recipe import load_recipe  # noqa: E402
 
 
 def main(config: str, action: str) -> None:

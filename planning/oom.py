@@ -23,7 +23,7 @@ The report holds:
 - on a GPU, ``torch.cuda.memory._dump_snapshot`` (with the stack trace of every allocation when
   ``train.memory_snapshot`` switched the allocator's history on at start, see
   ``record_memory_history``); drop the file on https://pytorch.org/memory_viz;
-- the next layout to try (``launch/next_layout.py``): "fits" compares the estimate, with its
+- the next layout to try (``planning/next_layout.py``): "fits" compares the estimate, with its
   activations and buffers scaled by how far the estimator fell short on this run (the allocator
   needed at least what it held plus the failed request), with the device's memory less
   ``RESERVE_FRACTION``; on a CPU the device is this process's share of the machine's memory.
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from launch import memory_model as mm
-from launch.estimate_memory import GB, RESERVE_FRACTION, estimate
-from launch.hardware import GPUS
-from launch.next_layout import atomic_write, cost, gpus_per_node, suggest
+from planning import memory_model as mm
+from planning.estimator import GB, RESERVE_FRACTION, estimate
+from training.hardware import GPUS
+from planning.next_layout import atomic_write, cost, gpus_per_node, suggest
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_CODE = 3
@@ -142,16 +142,16 @@ def _where(err: BaseException) -> tuple[dict, dict]:
     out["step"] = train_locals.get("step")
     if train_line:
         out["phase"] = train_line if out["step"] is not None else f"start-up: {train_line}"
-    step_locals, line = frames.get(("launch/stepping.py", "train_step"), (None, ""))
+    step_locals, line = frames.get(("training/stepping.py", "train_step"), (None, ""))
     if step_locals is not None:
         if "i" in step_locals and "batches" in step_locals:
             out["micro_batch"], out["micro_batches"] = step_locals["i"] + 1, len(step_locals["batches"])
         out["phase"] = ("backward" if "backward" in line else "optimizer step" if ".step(" in line
                         else "forward" if "engine(" in line else line)
-    for key, phase in ((("launch/stepping.py", "_pipeline_train_step"), "pipeline schedule (1F1B)"),
-                       (("launch/stepping.py", "evaluate"), "evaluation"),
-                       (("launch/checkpoint.py", "save"), "checkpoint save"),
-                       (("launch/checkpoint.py", "load"), "checkpoint load")):
+    for key, phase in ((("training/stepping.py", "_pipeline_train_step"), "pipeline schedule (1F1B)"),
+                       (("training/stepping.py", "evaluate"), "evaluation"),
+                       (("training/checkpoint.py", "save"), "checkpoint save"),
+                       (("training/checkpoint.py", "load"), "checkpoint load")):
         if key in frames:
             out["phase"] = phase
     out["at"] = f"step {out['step']}" if out["step"] is not None else out["phase"]
@@ -390,7 +390,7 @@ def _markdown(rep: dict) -> str:
     if "error" in est:
         lines.append(f"estimate unavailable: {est['error']}")
     else:
-        lines += [f"Estimator (`launch/estimate_memory.py`, heaviest pipeline stage {est['stage']}, "
+        lines += [f"Estimator (`planning/estimator.py`, heaviest pipeline stage {est['stage']}, "
                   f"{est['device']} device):", "", "| per GPU | GB |", "|---|---|"]
         lines += [f"| {k} | {_gb(v)} |" for k, v in est["breakdown"].items()]
     lines += ["", "Allocator:", "", "| figure | GB |", "|---|---|"]

@@ -373,7 +373,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
     if world is not None and world.get("pipeline_parallel_size", 1) > 1:
         # DeepSpeed's PipelineModule writes the module weights per layer and 'model' (tp x ep)
         # rank, ``layer_XX-model_YY-model_states.pt`` (the tied head's copy on the last stage
-        # is not written); the layers' keys are the Transformer's (launch/pipeline.py), so the
+        # is not written); the layers' keys are the Transformer's (training/pipeline.py), so the
         # layers of one 'model' rank together form its shard of the Transformer.
         shards = {}
         for r in range(mp):

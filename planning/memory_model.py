@@ -1,7 +1,7 @@
 """Per-GPU memory of one training step: model states under ZeRO, activations, buffers.
 
 Pure functions of the model config, the parallel layout and the DeepSpeed JSON, used by
-``launch/estimate_memory.py`` and checked by ``tests/launch/test_estimate_memory.py`` against the
+``planning/estimator.py`` and checked by ``tests/planning/test_estimate_memory.py`` against the
 ZeRO paper's closed forms, the tensors DeepSpeed 0.19.8 actually holds per rank, and the tensors
 autograd saves in ``model.Transformer``. All figures are bytes (the CLI prints GB = 1e9 bytes).
 """

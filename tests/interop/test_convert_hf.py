@@ -1,4 +1,4 @@
-"""launch/convert_hf.py and launch/hf_interop.py against transformers' Llama and Mixtral.
+"""launch/convert_hf.py and interop/hf.py against transformers' Llama and Mixtral.
 
 Tiny fp32 configs on CPU (vocab 128, hidden 64, 2 layers, 4 query heads over 2 kv heads, 8 experts
 top-2). Tolerance for logits and losses: 1e-5. Both sides compute in fp32 with different but
@@ -20,7 +20,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
                           LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
                           PreTrainedTokenizerFast)
 
-from launch import convert_hf, hf_interop
+from interop import hf as hf_interop
+from launch import convert_hf
 from model.config import DenseConfig, MixtralConfig as OurMixtralConfig, MoEConfig, SwitchConfig
 from model.transformer import IGNORE_INDEX, Transformer
 
@@ -63,10 +64,10 @@ def _hf_tiny(kind: str, tie: bool) -> torch.nn.Module:
 
 
 def _fake_run(monkeypatch, model, cfg, tokenizer) -> None:
-    """Stand in for launch.checkpoint.load_run_model, so export needs no DeepSpeed checkpoint."""
-    fake = types.ModuleType("launch.checkpoint")
+    """Stand in for training.checkpoint.load_run_model, so export needs no DeepSpeed checkpoint."""
+    fake = types.ModuleType("training.checkpoint")
     fake.load_run_model = lambda run_dir: (model, cfg, tokenizer)
-    monkeypatch.setitem(sys.modules, "launch.checkpoint", fake)
+    monkeypatch.setitem(sys.modules, "training.checkpoint", fake)
 
 
 def _tiny_tokenizer() -> PreTrainedTokenizerFast:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from launch import data as data_lib
-from launch import checkpoint, optim, schedules
-from launch.hardware import detect_gpu, train_flops_per_token
-from launch.recipe import Recipe
-from launch.tokenization import load_tokenizer
-from launch.tracking import MFU_NOTE, Progress, Tracker
+from training import data as data_lib
+from training import checkpoint, optim, schedules
+from training.hardware import detect_gpu, train_flops_per_token
+from training.recipe import Recipe
+from training.tokenization import load_tokenizer
+from training.tracking import MFU_NOTE, Progress, Tracker
 from model import Transformer
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups, build_groups, validate_layout
@@ -126,7 +126,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
-    gpu: object = None             # launch.hardware.GPUSpec when on a known GPU
+    gpu: object = None             # training.hardware.GPUSpec when on a known GPU
 
     @property
     def batch_group(self):
@@ -229,9 +229,9 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
 
 def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups) -> Transformer:
     """The model at this rank's layout; every layout starts from the same full weights. With
-    pipeline stages, this rank's layers of a ``launch.pipeline.TransformerPipe``."""
+    pipeline stages, this rank's layers of a ``training.pipeline.TransformerPipe``."""
     if recipe.parallel.pipeline_parallel_size > 1:
-        from launch.pipeline import TransformerPipe
+        from training.pipeline import TransformerPipe
         init = None
         if init_from is not None:
             from safetensors.torch import load_file
@@ -260,8 +260,8 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
         lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
     # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
     mpu = groups if groups.tp * groups.ep > 1 else None
-    if groups.pp > 1:   # the pipeline's grid is DeepSpeed's mpu (same rank order, launch/pipeline.py)
-        from launch.pipeline import pipeline_ds_config
+    if groups.pp > 1:   # the pipeline's grid is DeepSpeed's mpu (same rank order, training/pipeline.py)
+        from training.pipeline import pipeline_ds_config
         mpu, ds = None, pipeline_ds_config(ds)
     if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)
         checkpoint.enable_universal_checkpoint(model, groups)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from launch.tokenization import read_text_file, tokenizer_fingerprint
+from training.tokenization import read_text_file, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Document:
         return self.text if self.path is None else read_text_file(self.path)
 
     def corpus_item(self) -> Path | str:
-        """The form `launch.tokenization.load_tokenizer` takes: a path, or the text itself."""
+        """The form `training.tokenization.load_tokenizer` takes: a path, or the text itself."""
         return self.text if self.path is None else self.path
 
 

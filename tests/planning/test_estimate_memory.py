@@ -1,8 +1,8 @@
-"""launch/estimate_memory.py and launch/memory_model.py against three references:
+"""planning/estimator.py and planning/memory_model.py against three references:
 
 - the ZeRO paper's closed forms (formulas written out here, independently of the code);
 - the bytes DeepSpeed 0.19.8 actually holds per rank under ZeRO 1/2/3, bf16 and fp32, on 2 gloo
-  ranks (tests/launch/_measure_states.py: parameters or their ZeRO-3 partitions, gradient
+  ranks (tests/planning/_measure_states.py: parameters or their ZeRO-3 partitions, gradient
   partitions, fp32 master partitions and Adam's exp_avg/exp_avg_sq), within 5%;
 - the tensors autograd saves in ``model.Transformer`` (``saved_tensors_hooks``, distinct storages
   still alive at the end of the forward, parameters excluded), within 15%;
@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.memory_model import saved_activation_bytes
+from planning.memory_model import saved_activation_bytes
 
-from launch import estimate_memory as em
-from launch import memory_model as mm
-from launch.ds_config import load_ds_config
-from launch.recipe import load_recipe
+from launch import estimate_memory
+from planning import estimator as em
+from planning import memory_model as mm
+from training.ds_config import load_ds_config
+from training.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9
@@ -95,7 +96,7 @@ def measured_states(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(REPO / "tests" / "launch" / "_measure_states.py"), str(out)]
+           str(_free_port()), str(REPO / "tests" / "planning" / "_measure_states.py"), str(out)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -198,12 +199,12 @@ def test_tensor_and_sequence_parallel_activation_bytes_match_saved_tensors(tmp_p
 
 def test_cli_estimate_json_and_errors(capsys):
     args = ["--recipe", "recipes/mixtral_8x7b.yaml", "--config", "ds_configs/zero1.json"]
-    assert em.main(args + ["--gpus", "64", "--json"]) == 0
+    assert estimate_memory.main(args + ["--gpus", "64", "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert (est["tp"], est["ep"], est["pp"], est["zero_dp"]) == (1, 8, 4, 2)
     assert est["fits"] and {st["stage"] for st in est["stages"]} == {0, 3}
     # The recipe's layout needs 32 GPUs per replica: a one-line error, exit code 2.
-    assert em.main(args + ["--gpus", "8"]) == 2
+    assert estimate_memory.main(args + ["--gpus", "8"]) == 2
     assert "not divisible" in capsys.readouterr().err
 
 
@@ -211,7 +212,7 @@ def test_cli_estimate_json_and_errors(capsys):
 def test_planner_finds_a_layout_and_prints_a_valid_command(recipe, nodes, capsys):
     from launch.train import parse_args
     argv = ["--plan", "--recipe", recipe, "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu", "h100-80gb"]
-    assert em.main(argv + ["--json"]) == 0
+    assert estimate_memory.main(argv + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["fitting"] >= 1
     assert all(row["gpu_total"] <= 80 * GB * (1 - em.RESERVE_FRACTION) for row in result["layouts"])

@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ds_config, next_layout, oom, run_setup, train
-from launch.recipe import load_recipe
+from training import ds_config, run_setup
+from planning import next_layout, oom
+from launch import train
+from training.recipe import load_recipe
 from tests.runs import REPO, SMALL, ds_variant, env
 
 OOM_AT_CALL = 6

@@ -32,7 +32,7 @@ from model.config import CONFIG_CLASSES, FAMILIES, DenseConfig, MoEConfig, Trans
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny_mixtral.yaml"
 CHECKPOINTING_CHOICES = ("none", "full", "attention", "moe", "experts", "every_k:<k>")
-# Byte-level BPE needs its 256 byte symbols plus the end-of-text token (launch/tokenization.py).
+# Byte-level BPE needs its 256 byte symbols plus the end-of-text token (training/tokenization.py).
 _MIN_BPE_VOCAB = 258
 
 

@@ -11,7 +11,7 @@ The router losses are per micro-batch means (as in Switch/Megatron: the balance 
 taken over the tokens of one forward pass), averaged over micro-batches and ranks.
 
 With pipeline stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the step's
-micro-batches; the same objective is built on the last stage (``launch/pipeline.py``) and the
+micro-batches; the same objective is built on the last stage (``training/pipeline.py``) and the
 statistics, the skip decision and the lr are taken in a hook before the optimizer step.
 """
 
@@ -73,9 +73,9 @@ class Stepper:
         self.num_moe_layers = self.cfg.num_moe_layers
         self.pipeline = ctx.groups.pp > 1
         if self.pipeline:
-            from launch import pipeline
+            from training import pipeline
             gas = ds["gradient_accumulation_steps"]
-            # DeepSpeed divides the last stage's loss by gas: undo it (see launch/pipeline.py).
+            # DeepSpeed divides the last stage's loss by gas: undo it (see training/pipeline.py).
             self.model.loss_fn.ce_scale = dp_size * gas / tokens_per_step
             pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
             if self.zero_stage == 0 and not self.half:

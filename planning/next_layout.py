@@ -3,7 +3,7 @@
 ``LADDER`` is ordered from the cheapest change to the most expensive one in step time: recompute
 activations, shard more model state, shrink the micro-batch (same global batch), split the
 matmuls over more GPUs of the node (same global batch), move optimizer states to CPU memory. Each
-rung is applied on top of the ones before it when the estimator (``launch/estimate_memory.py``)
+rung is applied on top of the ones before it when the estimator (``planning/estimator.py``)
 says it lowers this rank's memory, and is checked as the trainer would check it (recipe
 validation, ``validate_ds_config``, ``run_setup.check_layout``); the walk stops at the first
 layout that fits. Recipe changes become ``--set`` overrides; DeepSpeed changes are applied to the
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from launch import ds_config, memory_model as mm, run_setup
-from launch.estimate_memory import GB, estimate
-from launch.recipe import apply_overrides, recipe_from_dict
+from training import ds_config, run_setup
+from planning import memory_model as mm
+from planning.estimator import GB, estimate
+from training.recipe import apply_overrides, recipe_from_dict
 
 LADDER = ("activation checkpointing full", "ZeRO stage + 1",
           "halve the micro-batch, double the accumulation",
@@ -64,7 +65,7 @@ def suggest(plan, args, device: torch.device, est: dict) -> dict:
         plan: ``launch.train.Plan`` of the run that ran out of memory.
         args: its parsed command line (the suggestion repeats it with the changes).
         device: this rank's device; on a CPU, offloaded states count against the same memory.
-        est: ``launch.oom``'s estimate section: ``gpu_table_entry``, ``scale`` (the estimator's
+        est: ``planning.oom``'s estimate section: ``gpu_table_entry``, ``scale`` (the estimator's
             miss on this run, applied to activations and buffers) and ``budget`` (bytes).
     """
     base_recipe, raw = plan.recipe.to_dict(), ds_config.load_ds_config(args.config)

@@ -1,7 +1,7 @@
 """Measure the model-state bytes each rank holds under DeepSpeed ZeRO 1, 2 and 3 (bf16 and fp32).
 
-Run by ``tests/launch/test_estimate_memory.py`` as
-``python -m torch.distributed.run --nproc_per_node 2 tests/launch/_measure_states.py OUT.json``.
+Run by ``tests/planning/test_estimate_memory.py`` as
+``python -m torch.distributed.run --nproc_per_node 2 tests/planning/_measure_states.py OUT.json``.
 
 For each of ``ds_configs/zero{1,2,3}[_fp32].json`` it builds ``model.Transformer`` for the tiny
 dense recipe widened to hidden 256 (so that DeepSpeed's partition padding is well under 1%), runs
@@ -84,8 +84,8 @@ def main(out_path: str) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from launch.ds_config import load_ds_config, validate_ds_config
-    from launch.recipe import load_recipe
+    from training.ds_config import load_ds_config, validate_ds_config
+    from training.recipe import load_recipe
     from model import Transformer
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())

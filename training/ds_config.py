@@ -6,7 +6,7 @@ catches them up front, each as a one-line `ValueError` that names the field, the
 fix, and derives `train_batch_size` = micro batch x accumulation x data-parallel size.
 
 Lists of DeepSpeed names are copied here from 0.19.8 so that validation needs no deepspeed
-import; `tests/launch/test_ds_configs.py` checks them against the installed package.
+import; `tests/training/test_ds_configs.py` checks them against the installed package.
 """
 
 import copy
@@ -18,7 +18,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from launch.schedules import AUTO, DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, validate_scheduler
+from training.schedules import AUTO, DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, validate_scheduler
 
 # deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS (matched case-insensitively by DeepSpeed).
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -321,7 +321,7 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     optimizer type (DeepSpeed's, torch.optim's, not a removed one), lr > 0, betas, eps,
     weight decay, no `max_grad_norm`, no LAMB under ZeRO >= 1 unless opted in; scheduler type
     (DeepSpeed's, ours, or a numeric torch one) and its parameter names; the `lr_scaling` block.
-    "auto" scheduler values are allowed (see `launch.schedules.resolve_auto`).
+    "auto" scheduler values are allowed (see `training.schedules.resolve_auto`).
 
     Args:
         cfg: the parsed JSON (not modified).

@@ -1,0 +1,313 @@
+"""Per-GPU memory of a training run, and a planner that picks a layout that fits.
+
+    python launch/estimate_memory.py --recipe R --config C --gpus N [--gpus-per-node 8]
+                                     [--gpu h100-80gb] [--set key=value ...] [--json]
+    python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
+                                     --gpu TYPE [--global-batch SEQS] [--write-config PATH] [--json]
+
+The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
+(ZeRO paper accounting with DeepSpeed 0.19.8's extras, see ``planning/memory_model.py``),
+activations for one micro-batch per block and in total (with the recipe's activation
+checkpointing), temporary buffers, and whether it fits the GPU after a reserve of
+``RESERVE_FRACTION`` for the CUDA context, NCCL and allocator fragmentation. Offloaded states are
+reported as CPU memory per rank and per node.
+
+The planner enumerates ZeRO 0-3 x TP (divisors of the heads up to the node size) x EP (divisors of
+the experts) x PP (divisors of the layers, at most 8) x micro-batch 1/2/4/8 x activation
+checkpointing none/full/selective, keeps what fits and ranks by a predicted step time (see
+``step_time``), then prints the exact launch command of the best. Estimates, not measurements:
+check the top choice with a short run (``mem_gb`` in metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import shlex
+from pathlib import Path
+
+from planning import memory_model as mm
+from training.ds_config import load_ds_config, validate_ds_config
+from training.hardware import GPUS, GPUSpec, train_flops_per_token
+from training.recipe import ParallelConfig, Recipe
+
+RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
+ASSUMED_MFU = 0.45        # compute efficiency the planner's step time assumes
+PLAN_TOKENS = 4 * 1024 * 1024   # default global batch of the planner: 4M tokens per step
+GB = 1e9
+REPO = Path(__file__).resolve().parents[1]   # the stock ds_configs/ the planner starts from
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimate.
+
+def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
+             gpu: str = "h100-80gb") -> dict:
+    """Per-GPU memory (bytes) of ``recipe`` under DeepSpeed JSON ``ds`` on ``gpus`` GPUs.
+
+    Returns a dict with the layout, ``stages`` (one estimate per distinct pipeline stage: the
+    first holds the embedding and pp micro-batches in flight, the last the head and logits),
+    ``worst`` (the stage with the largest total) and ``fits``.
+
+    Raises:
+        ValueError: a layout that does not divide the GPUs, a micro-batch that the ep ranks cannot
+            split, ZeRO-2/3 with pipelines, an unknown GPU.
+    """
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is unknown: choose one of {', '.join(GPUS)}")
+    spec, cfg, par = GPUS[gpu], recipe.model, recipe.parallel
+    layout = mm.Layout(gpus, par.tensor_parallel_size, par.expert_parallel_size,
+                       par.pipeline_parallel_size, par.sequence_parallel, gpus_per_node)
+    ds = validate_ds_config(ds, layout.dp)
+    micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    zero = ds.get("zero_optimization") or {}
+    stage, precision = int(zero.get("stage", 0)), mm.precision_of(ds)
+    if micro % layout.ep:
+        raise ValueError(f"train_micro_batch_size_per_gpu ({micro}) is not divisible by "
+                         f"parallel.expert_parallel_size ({layout.ep}): the ep ranks split each "
+                         f"micro-batch; use a multiple of {layout.ep}")
+    if layout.pp > 1 and stage > 1:
+        raise ValueError(f"zero_optimization.stage ({stage}) with parallel.pipeline_parallel_size "
+                         f"{layout.pp}: DeepSpeed refuses ZeRO-2/3 with pipelines; use ZeRO 0 or 1")
+    stages = [_stage(recipe, layout, ds, s, micro) for s in sorted({0, layout.pp - 1})]
+    worst = max(stages, key=lambda st: st["gpu_total"])
+    usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
+    return {"units": "bytes", "recipe": recipe.name, "gpu": gpu, "gpu_memory": spec.memory_gb * GB,
+            "reserve_fraction": RESERVE_FRACTION, "usable": usable, "gpus": gpus,
+            "gpus_per_node": gpus_per_node, "tp": layout.tp, "ep": layout.ep, "pp": layout.pp,
+            "sequence_parallel": layout.sp, "zero_dp": layout.dp, "zero_stage": stage,
+            "precision": precision, "micro_batch": micro, "accumulation": acc,
+            "seq_len": recipe.seq_len, "activation_checkpointing": recipe.train.activation_checkpointing,
+            "params_total": cfg.num_params(), "params_active": cfg.num_params(active=True),
+            "stages": stages, "worst": worst, "fits": worst["gpu_total"] <= usable,
+            "cpu_per_node": worst["cpu"] * min(gpus, gpus_per_node)}
+
+
+def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int) -> dict:
+    cfg, zero = recipe.model, ds.get("zero_optimization") or {}
+    a = mm.DTYPE_BYTES[mm.precision_of(ds)]
+    params = mm.local_params(cfg, layout, stage)
+    states = mm.deepspeed_model_state_bytes(params["total"], layout.dp, ds)
+    acts = mm.activation_bytes(cfg, layout, micro, recipe.seq_len, a,
+                               recipe.train.activation_checkpointing, stage)
+    a2a = 0.0
+    if cfg.moe is not None and layout.ep > 1:   # send + receive of one MoE layer: 2 k T h
+        a2a = 2 * mm.routed_rows(cfg, acts["tokens_per_rank"]) * cfg.hidden_size * a
+    buffers = mm.buffer_bytes(zero, int(zero.get("stage", 0)), a, params["total"],
+                              params["largest_module"], layout.dp, a2a)
+    during_backward = acts["total"] + buffers["reduce_bucket"] + buffers["zero3_gather"] + a2a
+    model_states = states["params"] + states["grads"] + states["optimizer"]
+    return {"stage": stage, "params": params, "states": states, "activations": acts,
+            "buffers": buffers, "model_states": model_states, "cpu": states["cpu"],
+            "gpu_total": model_states + max(during_backward, buffers["optimizer_step"])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Step time and planner.
+
+def _bandwidth(spec: GPUSpec, group_span: int, gpus_per_node: int) -> float:
+    """Bytes/s of a collective whose ranks span ``group_span`` consecutive ranks: NVLink at half
+    its bidirectional figure inside a node, the per-GPU network figure across nodes."""
+    inside = group_span <= gpus_per_node
+    return (spec.nvlink_gb_s / 2 if inside else spec.network_gb_s) * GB
+
+
+def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
+    """Forward FLOPs per token that backward repeats: 2 x matmul params recomputed, plus the
+    causal attention forward (2 h s) for recomputed attention."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    whole = mm.checkpointed_blocks(cfg, policy)
+    total = 0.0
+    for i in range(cfg.num_layers):
+        moe = cfg.is_moe_layer(i)
+        ffn = (cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts) if moe else 3 * h * f
+        if i in whole:
+            total += 2 * (attn + ffn) + 2 * h * seq_len
+        elif policy == "attention":
+            total += 2 * attn + 2 * h * seq_len
+        elif policy == "moe" and moe:
+            total += 2 * ffn
+        elif policy == "experts" and moe:
+            total += 2 * cfg.moe.top_k * 3 * h * f
+    return total
+
+
+def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
+    """Predicted seconds per optimizer step; deliberately simple, no overlap assumed.
+
+    - compute: (train_flops_per_token + recompute) x tokens / (GPUs x bf16 peak x ASSUMED_MFU),
+      stretched by the 1F1B bubble: / (1 - (p-1)/(m+p-1)), m = accumulation steps;
+    - DP: ZeRO-0/1/2 all-reduce (reduce-scatter + all-gather) 2 psi bytes per step; ZeRO-3
+      3 psi per micro-batch (gathers in forward and backward, reduce-scatter); times (dp-1)/dp;
+    - TP: 4 all-reduces of b s h per block per micro-batch (2 forward, 2 backward), 2(tp-1)/tp;
+    - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
+      once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
+      not ``experts``, which recomputes only the expert FFNs between the exchanges);
+    - EP, replicated parameters: every parameter outside the experts is summed over ep by
+      ``sync_grad`` once per micro-batch (2 psi_other bytes, 2(ep-1)/ep), not once per step;
+    with psi and the layers of one pipeline stage, at ``_bandwidth`` (the rank order is tp,
+    ep, dp, pp from fastest: model/parallel/groups.py). Pipeline p2p traffic is ignored.
+    """
+    cfg, spec = recipe.model, GPUS[gpu]
+    tp, ep, pp, dp, gpn = est["tp"], est["ep"], est["pp"], est["zero_dp"], est["gpus_per_node"]
+    a = mm.DTYPE_BYTES[est["precision"]]
+    m, seq = est["accumulation"], est["seq_len"]
+    tokens = est["micro_batch"] * m * dp * seq
+    flops = (train_flops_per_token(cfg, seq) + _recompute_flops_per_token(
+        cfg, seq, est["activation_checkpointing"])) * tokens
+    compute = flops / (est["gpus"] * spec.bf16_tflops * 1e12 * ASSUMED_MFU)
+    bubble = (pp - 1) / (m + pp - 1)
+    psi = max(st["params"]["total"] for st in est["stages"])
+    dp_bytes = (3 * m if est["zero_stage"] == 3 else 2) * psi * a * (dp - 1) / dp
+    layers = mm.stage_layers(cfg, pp, 0)
+    t_rank = est["micro_batch"] * seq / ep
+    tp_bytes = 4 * len(layers) * m * t_rank * cfg.hidden_size * a * 2 * (tp - 1) / tp
+    ep_bytes = 0.0
+    if cfg.moe is not None:
+        policy = est["activation_checkpointing"]
+        whole = mm.checkpointed_blocks(cfg, policy)
+        moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
+        redone = sum(i in whole or policy == "moe" for i in moe_layers)   # exchange recomputed
+        ep_bytes = ((2 * len(moe_layers) + redone) * m * 2 * mm.routed_rows(cfg, t_rank)
+                    * cfg.hidden_size * a * (ep - 1) / ep)
+        other = max(st["params"]["other"] for st in est["stages"])
+        ep_bytes += m * other * a * 2 * (ep - 1) / ep
+    out = {"compute_s": compute / (1 - bubble), "bubble_fraction": bubble,
+           "dp_comm_s": dp_bytes / _bandwidth(spec, tp * ep * dp, gpn),
+           "tp_comm_s": tp_bytes / _bandwidth(spec, tp, gpn),
+           "ep_comm_s": ep_bytes / _bandwidth(spec, tp * ep, gpn)}
+    out["step_s"] = out["compute_s"] + out["dp_comm_s"] + out["tp_comm_s"] + out["ep_comm_s"]
+    out["tokens_per_s_per_gpu"] = tokens / out["step_s"] / est["gpus"]
+    return out
+
+
+def _divisors(n: int, most: int) -> list[int]:
+    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+
+
+def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: str = "bf16",
+         global_batch: int | None = None, top: int = 10) -> dict:
+    """Enumerate layouts, keep those that fit, rank them by ``step_time``.
+
+    Every candidate keeps the global batch (sequences per step; default PLAN_TOKENS / seq_len)
+    and uses the stock ``ds_configs/zero{stage}[_fp32].json`` with its micro-batch and
+    accumulation replaced. Returns ``{"layouts": [...best first...], "considered", ...}``.
+    """
+    cfg, world = recipe.model, nodes * gpus_per_node
+    global_batch = global_batch or max(1, round(PLAN_TOKENS / recipe.seq_len))
+    suffix = "_fp32" if precision == "fp32" else ""
+    bases = {s: load_ds_config(str(REPO / "ds_configs" / f"zero{s}{suffix}.json")) for s in range(4)}
+    tps = [t for t in _divisors(cfg.num_heads, gpus_per_node)
+           if (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0) and cfg.ffn_hidden_size % t == 0]
+    eps = _divisors(cfg.moe.num_experts, world) if cfg.moe is not None else [1]
+    policies = ["none", "full", "attention"] + (["moe", "experts"] if cfg.moe is not None else [])
+    rows, considered = [], 0
+    for tp, ep, pp in itertools.product(tps, eps, _divisors(cfg.num_layers, 8)):
+        if world % (tp * ep * pp):
+            continue
+        dp = world // (tp * ep * pp)
+        for stage, micro, policy in itertools.product(range(4), (1, 2, 4, 8), policies):
+            considered += 1
+            if (pp > 1 and stage > 1) or micro % ep or global_batch % (micro * dp):
+                continue
+            ds = dict(bases[stage], train_micro_batch_size_per_gpu=micro,
+                      gradient_accumulation_steps=global_batch // (micro * dp))
+            # Sequence parallelism whenever tp > 1 can split the sequence: activations split by
+            # tp for one more all-gather per sub-layer in backward (not in step_time: small).
+            sp = tp > 1 and recipe.seq_len % tp == 0
+            r = dataclasses.replace(
+                recipe, parallel=ParallelConfig(tp, ep, pp, sp, recipe.parallel.expert_placement),
+                train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
+            est = estimate(r, ds, world, gpus_per_node, gpu)
+            if est["fits"]:
+                rows.append({"zero_stage": stage, "tp": tp, "ep": ep, "pp": pp, "dp": dp, "sp": sp,
+                             "micro_batch": micro, "accumulation": ds["gradient_accumulation_steps"],
+                             "activation_checkpointing": policy,
+                             "config": f"ds_configs/zero{stage}{suffix}.json",
+                             "gpu_total": est["worst"]["gpu_total"], **step_time(r, est, gpu)})
+    rows.sort(key=lambda row: (row["step_s"], row["gpu_total"]))
+    return {"recipe": recipe.name, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu,
+            "global_batch": global_batch, "assumed_mfu": ASSUMED_MFU, "considered": considered,
+            "fitting": len(rows), "layouts": rows[:top]}
+
+
+def launch_command(row: dict, recipe_path: str, nodes: int, gpus_per_node: int,
+                   config: str | None = None) -> str:
+    """The ``deepspeed`` command line that runs layout ``row``."""
+    sets = [f"parallel.tensor_parallel_size={row['tp']}", f"parallel.expert_parallel_size={row['ep']}",
+            f"parallel.pipeline_parallel_size={row['pp']}",
+            f"train.activation_checkpointing={row['activation_checkpointing']}"]
+    if row.get("sp"):
+        sets.append("parallel.sequence_parallel=true")
+    return shlex.join(["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node),
+                       "launch/train.py", "--config", config or row["config"],
+                       "--recipe", recipe_path, "--set", *sets])
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+def _gb(x: float) -> str:
+    return f"{x / GB:8.2f}"
+
+
+def format_estimate(est: dict) -> str:
+    w = est["worst"]
+    p, s, act, buf = w["params"], w["states"], w["activations"], w["buffers"]
+    sp = "on" if est["sequence_parallel"] else "off"
+    lines = [
+        f"{est['recipe']}: {est['params_total'] / 1e9:.2f}B parameters "
+        f"({est['params_active'] / 1e9:.2f}B active) on {est['gpus']} x {est['gpu']} "
+        f"({est['gpus_per_node']} per node)",
+        f"layout: tp {est['tp']} ep {est['ep']} pp {est['pp']} sp {sp} | ZeRO-{est['zero_stage']} over "
+        f"dp {est['zero_dp']} (= gpus / (tp ep pp)) | {est['precision']}",
+        f"batch: micro {est['micro_batch']} x seq {est['seq_len']} ({act['tokens_per_rank']:.0f} tokens "
+        f"per rank), accumulation {est['accumulation']}, activation checkpointing "
+        f"{est['activation_checkpointing']}",
+        f"pipeline stage {w['stage']} (the heaviest): {p['total'] / 1e9:.3f}B params per rank "
+        f"({p['expert'] / 1e9:.3f}B expert, {p['other'] / 1e9:.3f}B other)",
+        "", "per GPU                                       GB"]
+    rows = [("parameters", s["params"]), ("gradients", s["grads"]),
+            ("optimizer states", s["optimizer"]),
+            (f"activations ({act['in_flight_micro_batches']} micro-batch(es) in flight)", act["total"]),
+            ("  blocks kept for backward", act["blocks"]),
+            ("  recompute of one block/sub-layer", act["recompute"]),
+            ("  final norm, fp32 logits, token ids", act["head"]),
+            ("  returned logits + their fp32 grad", act["logits_transient"]),
+            ("buffers: reduce bucket(s)", buf["reduce_bucket"]),
+            ("buffers: ZeRO-3 gathered params", buf["zero3_gather"]),
+            ("buffers: all-to-all", buf["all_to_all"]),
+            ("buffers: optimizer step (no activations)", buf["optimizer_step"]),
+            ("total", w["gpu_total"])]
+    lines += [f"  {name:<44}{_gb(v)}" for name, v in rows]
+    per_block = ", ".join(f"{k} {v / GB:.3f}" for k, v in act["per_block"].items())
+    lines.append(f"  one block, one micro-batch, no checkpointing: {per_block}")
+    lines.append(f"  usable: {est['gpu_memory'] / GB:.0f} GB - {est['reserve_fraction']:.0%} reserve "
+                 f"(CUDA context, NCCL, fragmentation) = {est['usable'] / GB:.1f} GB -> "
+                 f"{'fits' if est['fits'] else 'DOES NOT FIT'}")
+    if len(est["stages"]) > 1:
+        lines.append("  totals per stage: " + ", ".join(
+            f"stage {st['stage']} {st['gpu_total'] / GB:.2f}" for st in est["stages"]))
+    if w["cpu"]:
+        lines.append(f"  CPU (offload): {w['cpu'] / GB:.2f} GB per rank, "
+                     f"{est['cpu_per_node'] / GB:.1f} GB per node")
+    return "\n".join(lines)
+
+
+def format_plan(result: dict, command: str, note: str) -> str:
+    lines = [f"{result['recipe']} on {result['nodes']} x {result['gpus_per_node']} {result['gpu']}: "
+             f"{result['fitting']} of {result['considered']} layouts fit; global batch "
+             f"{result['global_batch']} sequences; step time at MFU {result['assumed_mfu']} + "
+             f"communication (no overlap)", "",
+             " # ZeRO tp sp ep pp  dp micro  acc ckpt       mem GB  step s  comp  dp-comm tp-comm ep-comm"
+             " tok/s/GPU"]
+    for i, r in enumerate(result["layouts"], 1):
+        lines.append(f"{i:2d} {r['zero_stage']:4d} {r['tp']:2d} {'on' if r['sp'] else '--'} {r['ep']:2d} {r['pp']:2d} {r['dp']:3d}"
+                     f" {r['micro_batch']:5d} {r['accumulation']:4d} {r['activation_checkpointing']:<9}"
+                     f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:5.2f}"
+                     f" {r['dp_comm_s']:7.2f} {r['tp_comm_s']:7.2f} {r['ep_comm_s']:7.2f}"
+                     f" {r['tokens_per_s_per_gpu']:9.0f}")
+    if not result["layouts"]:
+        return "\n".join(lines + ["no layout fits: add GPUs, or offload (ds_configs/zero3_offload.json)"])
+    return "\n".join(lines + ["", "best:", command] + ([note] if note else []))
