@@ -19,18 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from interop import hf as hf_interop  # noqa: E402
+from interop.hf_files import clear_init_dir, export_hf, import_hf, log, verify_export  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def log(message: str) -> None:
-    print(f"convert_hf: {message}", file=sys.stderr, flush=True)
 
 
 def _check_out_dir(out_dir: Path, force: bool) -> None:
@@ -39,146 +33,6 @@ def _check_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise ValueError(f"--out {out_dir} exists and is not empty; fix: choose a new directory "
                          f"or pass --force to overwrite")
-
-
-# --------------------------------------------------------------------------- export
-
-def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.float32):
-    """Write ``model`` as a transformers checkpoint folder (safetensors) plus its tokenizer.
-
-    Args:
-        model: our ``Transformer`` (any device; weights are copied to CPU).
-        cfg: its config (dense or mixtral).
-        tokenizer: a transformers tokenizer, saved beside the weights (None to skip).
-        out_dir: target folder (created).
-        dtype: dtype of the saved weights.
-
-    Returns:
-        The HF model that was saved.
-
-    Raises:
-        ValueError: when the config has no HF equivalent (switch family, capacity factor, ...).
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    hf_config = hf_interop.to_hf_config(cfg, dtype=dtype)       # refuses before any work
-    if tokenizer is not None:
-        # Llama's defaults (bos 1, eos 2) belong to Llama's tokenizer, not ours.
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(hf_config, name, getattr(tokenizer, name, None))
-    log(f"converting {cfg.family} weights to {type(hf_config).__name__.removesuffix('Config')}"
-        f"ForCausalLM layout ({str(dtype).removeprefix('torch.')})")
-    our_sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
-    hf_sd = hf_interop.to_hf_state_dict(cfg, our_sd)
-    with no_init_weights():                                      # weights come from hf_sd
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    hf_model.load_state_dict(hf_sd, strict=True)
-    out_dir = Path(out_dir)
-    log(f"writing {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(str(out_dir), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out_dir))
-    return hf_model
-
-
-def verify_export(model, out_dir: Path, num_tokens: int = 16) -> float:
-    """Reload ``out_dir`` with the Auto classes; max |logit difference| to ``model`` on random ids."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf_model = AutoModelForCausalLM.from_pretrained(str(out_dir), local_files_only=True).eval()
-    if any(Path(out_dir, f).is_file() for f in _TOKENIZER_FILES):
-        AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
-    cfg = model.cfg
-    ids = torch.randint(0, cfg.vocab_size, (1, min(num_tokens, cfg.max_seq_len)),
-                        generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = model.eval()(ids.to(next(model.parameters()).device)).logits.float().cpu()
-        theirs = hf_model(ids).logits.float()
-    return (ours - theirs).abs().max().item()
-
-
-# --------------------------------------------------------------------------- import
-
-def read_hf_dir(hf_dir: Path):
-    """Read a local transformers Llama/Mixtral folder.
-
-    Returns:
-        (HF config, HF state dict as stored on disk, tokenizer or None)
-    """
-    from transformers import AutoConfig, AutoTokenizer
-
-    hf_dir = Path(hf_dir)
-    if not hf_dir.is_dir():
-        raise FileNotFoundError(f"--hf {hf_dir}: no such directory; fix: pass a local folder "
-                                f"written by save_pretrained (nothing is downloaded)")
-    config_path = hf_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"--hf {hf_dir}: no config.json; fix: pass a transformers "
-                                f"checkpoint folder (config.json + *.safetensors)")
-    raw = json.loads(config_path.read_text())
-    model_type = raw.get("model_type")
-    if model_type not in hf_interop.HF_MODEL_TYPES:
-        archs = "/".join(raw.get("architectures") or []) or "unknown architecture"
-        raise ValueError(f"--hf {hf_dir}: model_type {model_type!r} ({archs}) is not supported; "
-                         f"convert_hf imports llama (LlamaForCausalLM) and mixtral "
-                         f"(MixtralForCausalLM) only")
-    hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    state_dict = _read_weights(hf_dir)
-    tokenizer = None
-    if any((hf_dir / f).is_file() for f in _TOKENIZER_FILES):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-        except (OSError, ValueError, ImportError) as e:
-            raise ValueError(f"--hf {hf_dir}: has tokenizer files but transformers cannot load "
-                             f"them ({e}); fix: repair or remove them") from e
-    return hf_config, state_dict, tokenizer
-
-
-def _read_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Single-file or sharded safetensors (or, failing that, pytorch_model.bin) weights."""
-    from safetensors.torch import load_file
-
-    def shards(index_name: str) -> list[Path]:
-        weight_map = json.loads((hf_dir / index_name).read_text())["weight_map"]
-        return [hf_dir / f for f in sorted(set(weight_map.values()))]
-
-    if (hf_dir / "model.safetensors").is_file():
-        files, loader = [hf_dir / "model.safetensors"], lambda p: load_file(str(p))
-    elif (hf_dir / "model.safetensors.index.json").is_file():
-        files, loader = shards("model.safetensors.index.json"), lambda p: load_file(str(p))
-    elif (hf_dir / "pytorch_model.bin").is_file() or (hf_dir / "pytorch_model.bin.index.json").is_file():
-        files = ([hf_dir / "pytorch_model.bin"] if (hf_dir / "pytorch_model.bin").is_file()
-                 else shards("pytorch_model.bin.index.json"))
-        loader = lambda p: torch.load(p, map_location="cpu", weights_only=True)  # noqa: E731
-    else:
-        raise FileNotFoundError(f"--hf {hf_dir}: no model.safetensors, model.safetensors.index.json "
-                                f"or pytorch_model.bin; fix: save the model with save_pretrained")
-    state_dict = {}
-    for path in files:
-        if not path.is_file():
-            raise FileNotFoundError(f"--hf {hf_dir}: weight shard {path.name} listed in the index "
-                                    f"is missing")
-        state_dict.update(loader(path))
-    return state_dict
-
-
-def import_hf(hf_dir: Path, out_dir: Path):
-    """Convert a local HF Llama/Mixtral folder into an init dir for ``train.py --init-from``.
-
-    Returns:
-        Our config of the imported model.
-    """
-    log(f"loading {hf_dir}")
-    hf_config, hf_sd, tokenizer = read_hf_dir(Path(hf_dir))
-    cfg = hf_interop.from_hf_config(hf_config)
-    log(f"converting {hf_config.model_type} -> family {cfg.family} "
-        f"({cfg.num_params() / 1e6:.1f}M parameters)")
-    our_sd = hf_interop.from_hf_state_dict(cfg, hf_sd)
-    log(f"writing {out_dir}" + ("" if tokenizer is not None else " (no tokenizer in --hf)"))
-    hf_interop.save_init_dir(Path(out_dir), cfg, our_sd, tokenizer)
-    return cfg
 
 
 # --------------------------------------------------------------------------- CLI
@@ -207,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             if not args.run_dir.is_dir():
                 raise FileNotFoundError(f"--run-dir {args.run_dir}: no such directory")
-            from training.checkpoint import load_run_model
+            from interop.consolidate import load_run_model
             model, cfg, tokenizer = load_run_model(args.run_dir)
             log(f"loaded {args.run_dir}")         # after the checks: a bad --run-dir is one line
             export_hf(model, cfg, tokenizer, args.out, DTYPES[args.dtype])
@@ -216,22 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"(fp32: ~1e-6; bfloat16 weights: ~1e-2)")
         else:
             if args.force:
-                _clear_init_dir(args.out)
+                clear_init_dir(args.out)
             import_hf(args.hf, args.out)
     except (ValueError, FileNotFoundError) as e:
         print(f"convert_hf.py {args.command}: error: {e}", file=sys.stderr)
         return 2
     log("done")
     return 0
-
-
-def _clear_init_dir(out_dir: Path) -> None:
-    """Remove the files an earlier import wrote, so a stale tokenizer cannot survive --force."""
-    import shutil
-
-    for name in (hf_interop.INIT_CONFIG_FILE, hf_interop.INIT_WEIGHTS_FILE):
-        (out_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(out_dir / hf_interop.INIT_TOKENIZER_DIR, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--text-file {text_file}: file not found")
         if args.batch_size < 1:
             raise ValueError(f"--batch-size: {args.batch_size} must be >= 1")
-        from training.checkpoint import load_run_model
+        from interop.consolidate import load_run_model
         from training.recipe import recipe_from_dict
         model, _, tokenizer = load_run_model(Path(args.run_dir))
         resolved = json.loads((Path(args.run_dir) / "config.json").read_text())

@@ -21,6 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, Llama
                           PreTrainedTokenizerFast)
 
 from interop import hf as hf_interop
+from interop import hf_files
 from launch import convert_hf
 from model.config import DenseConfig, MixtralConfig as OurMixtralConfig, MoEConfig, SwitchConfig
 from model.transformer import IGNORE_INDEX, Transformer
@@ -64,10 +65,10 @@ def _hf_tiny(kind: str, tie: bool) -> torch.nn.Module:
 
 
 def _fake_run(monkeypatch, model, cfg, tokenizer) -> None:
-    """Stand in for training.checkpoint.load_run_model, so export needs no DeepSpeed checkpoint."""
-    fake = types.ModuleType("training.checkpoint")
+    """Stand in for interop.consolidate.load_run_model, so export needs no DeepSpeed checkpoint."""
+    fake = types.ModuleType("interop.consolidate")
     fake.load_run_model = lambda run_dir: (model, cfg, tokenizer)
-    monkeypatch.setitem(sys.modules, "training.checkpoint", fake)
+    monkeypatch.setitem(sys.modules, "interop.consolidate", fake)
 
 
 def _tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -170,7 +171,7 @@ def test_state_dict_conversion_is_exact_inverse():
 def test_bfloat16_export(tmp_path):
     cfg = DenseConfig(**TINY).validate()
     ours = Transformer(cfg)
-    convert_hf.export_hf(ours, cfg, None, tmp_path / "hf", dtype=torch.bfloat16)
+    hf_files.export_hf(ours, cfg, None, tmp_path / "hf", dtype=torch.bfloat16)
     hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     w = hf_model.model.layers[1].self_attn.k_proj.weight
     assert w.dtype == torch.bfloat16

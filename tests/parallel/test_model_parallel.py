@@ -134,7 +134,7 @@ def test_init_is_the_same_full_model_at_any_layout_single_process():
 
 
 def test_model_parallel_shards_merge_back_into_the_full_model():
-    from training.checkpoint import merge_model_parallel
+    from interop.consolidate import merge_model_parallel
     from model.parallel.groups import ParallelGroups
     cfg = _configs()["mixtral"]
     ref = dict(Transformer(cfg, init_seed=5).named_parameters())

@@ -29,7 +29,7 @@ import json
 import pytest
 import torch
 
-from training.checkpoint import load_run_model
+from interop.consolidate import load_run_model
 from tests.runs import ds_variant, kill_after_step, launch, rows
 
 # Router jitter draws per-rank noise, which no layout can reproduce: off for parity.

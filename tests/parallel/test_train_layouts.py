@@ -55,7 +55,7 @@ def test_layout_matches_the_single_process_control(layout, stage, control, tmp_p
         _check_experts(control, run_dir)
     if layout == "tp2xep2" and stage in (0, 1):
         # The shards of all four ranks merge back into the control's model (export/eval path).
-        from training.checkpoint import load_run_model
+        from interop.consolidate import load_run_model
         ours, ctrl = load_run_model(run_dir)[0], load_run_model(control)[0]
         for (name, p), q in zip(ours.named_parameters(), ctrl.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)

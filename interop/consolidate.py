@@ -1,0 +1,128 @@
+"""Offline consolidation: a run directory's newest checkpoint as one full fp32 state dict.
+
+Used by ``launch/evaluate.py`` and ``launch/convert_hf.py export``, on one process, with no
+process group: ZeRO partitions are reassembled by DeepSpeed's ``zero_to_fp32``; tensor/expert
+parallel shards and pipeline layer files are merged back into full tensors from the cuts each
+parameter records (``shard_spec``, model/parallel/layers.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from training.checkpoint import LATEST, latest_tag, read_run_config
+
+
+def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str, torch.Tensor]:
+    """Reassemble full tensors from the per-model-parallel-rank state dicts of a tp x ep run.
+
+    Every parameter records how it was cut from its full tensor (``shard_spec``, see
+    model/parallel/layers.py); building the model at each (tp_rank, ep_rank) without process
+    groups recovers those cuts, and each shard is written back into place.
+    """
+    from model import Transformer
+    from model.parallel.groups import ParallelGroups
+
+    tp, ep = world["tensor_parallel_size"], world["expert_parallel_size"]
+    full: dict[str, torch.Tensor] = {}
+    for ep_rank in range(ep):
+        for tp_rank in range(tp):
+            layout = ParallelGroups(tp=tp, ep=ep, tp_rank=tp_rank, ep_rank=ep_rank,
+                                    expert_placement=world.get("expert_placement", "contiguous"))
+            with torch.device("meta"):
+                model = Transformer(cfg, layout)
+            shard = shards[ep_rank * tp + tp_rank]
+            for name, p in model.named_parameters():
+                out = full.setdefault(name, torch.empty(p.full_shape))
+                index = [torch.arange(n) for n in p.full_shape]
+                for dim, idx in p.shard_spec:
+                    index[dim] = index[dim][torch.as_tensor(idx)]
+                out[torch.meshgrid(*index, indexing="ij")] = shard[name].float()
+    return full
+
+
+def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
+                            world: dict | None = None) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict of one checkpoint, read offline on one process.
+
+    ZeRO 1-3 keep the fp32 master weights in their (partitioned) optimizer files, which
+    DeepSpeed's ``zero_to_fp32`` reassembles; ZeRO-0 keeps the module weights in
+    ``mp_rank_00_model_states.pt``. Tensor/expert-parallel runs (ZeRO 0-2) are merged from the
+    module weights of every ``mp_rank_XX`` file, pipeline runs from their per-layer files (the
+    model dtype: exact for fp32 runs, the bf16 weights for bf16 runs).
+    """
+    mp = 1 if world is None else world["tensor_parallel_size"] * world["expert_parallel_size"]
+    if world is not None and world.get("pipeline_parallel_size", 1) > 1:
+        # DeepSpeed's PipelineModule writes the module weights per layer and 'model' (tp x ep)
+        # rank, ``layer_XX-model_YY-model_states.pt`` (the tied head's copy on the last stage
+        # is not written); the layers' keys are the Transformer's (training/pipeline.py), so the
+        # layers of one 'model' rank together form its shard of the Transformer.
+        shards = {}
+        for r in range(mp):
+            shards[r] = {}
+            for f in sorted((Path(ckpt_dir) / tag).glob(f"layer_*-model_{r:02d}-model_states.pt")):
+                shards[r].update(torch.load(f, map_location="cpu", weights_only=False))
+        if mp > 1:
+            return merge_model_parallel(cfg, world, shards)
+        return {k: v.float() for k, v in shards[0].items()}
+    if mp > 1:
+        if zero_stage == 3:
+            raise ValueError("consolidating a ZeRO-3 tensor/expert-parallel checkpoint is not "
+                             "supported yet (train that layout with ZeRO 0-2 to export it)")
+        shards = {r: torch.load(Path(ckpt_dir) / tag / f"mp_rank_{r:02d}_model_states.pt",
+                                map_location="cpu", weights_only=False)["module"]
+                  for r in range(mp)}
+        return merge_model_parallel(cfg, world, shards)
+    if zero_stage > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        states = torch.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt",
+                            map_location="cpu", weights_only=False)
+        sd = states["module"]
+    return {k: v.float() for k, v in sd.items()}
+
+
+def load_run_model(run_dir: Path):
+    """The trained model of a run directory (newest complete checkpoint), in fp32 on CPU.
+
+    Returns:
+        (model in eval mode, model config, tokenizer)
+    """
+    from transformers import AutoTokenizer
+
+    from model import Transformer
+    from model.config import config_from_dict
+
+    run_dir = Path(run_dir)
+    resolved = read_run_config(run_dir)
+    cfg = config_from_dict(resolved["recipe"]["model"])
+    ckpt_dir = run_dir / "checkpoints"
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "
+                         f"(train with save_every, or let the run finish)")
+    stage = int(resolved["ds_config"].get("zero_optimization", {}).get("stage", 0))
+    try:
+        world = dict(resolved.get("world", {}))
+        world.setdefault("tensor_parallel_size", 1)
+        world.setdefault("expert_parallel_size", 1)
+        world.setdefault("expert_placement", resolved["recipe"].get("parallel", {}).get(
+            "expert_placement", "contiguous"))
+        sd = consolidated_state_dict(ckpt_dir, tag, stage, cfg, world)
+        model = Transformer(cfg)
+        model.load_state_dict(sd, strict=True)
+    except Exception as e:  # torch and DeepSpeed raise many types on a corrupted checkpoint
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"--run-dir {run_dir}: checkpoint {ckpt_dir / tag} cannot be read "
+                         f"({type(e).__name__}: {first}); restore it, or delete it and point "
+                         f"{ckpt_dir / LATEST} at an older tag") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"))
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"--run-dir {run_dir}: tokenizer/ cannot be loaded ({first}); restore "
+                         f"the tokenizer folder train.py saved there") from None
+    return model.eval(), cfg, tokenizer
