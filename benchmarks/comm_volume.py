@@ -64,8 +64,8 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
                "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
                "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
 # model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
-HELPERS = ("copy_to_region", "reduce_from_region", "gather_last_dim", "all_to_all", "sync_grad",
-           "all_to_all_counts", "all_reduce_sum", "all_reduce_max", "gather_sequence",
+HELPERS = ("copy_to_region", "reduce_from_region", "all_to_all", "sync_grad",
+           "all_to_all_counts", "all_reduce_sum", "gather_sequence",
            "reduce_scatter_sequence", "gather_sequence_linears")
 # Helpers whose backward issues the conjugate collective (labelled like the forward call).
 CONJUGATE = ("copy_to_region", "sync_grad", "all_to_all", "gather_sequence",

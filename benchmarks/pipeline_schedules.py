@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from training.pipeline import BlockPipe, EmbeddingPipe, HeadPipe, PipelineLoss  
 from model.config import DenseConfig  # noqa: E402
 from model.parallel import p2p  # noqa: E402
 from model.parallel.groups import ParallelGroups  # noqa: E402
+from tests.distributed import free_port  # noqa: E402
 
 STAGES = 2
 
@@ -192,12 +192,6 @@ def _worker(rank: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(rows: list[dict], args) -> list[dict]:
     """Per (schedule, m, stage): median bubble fraction and busy share, memory peaks."""
     by_step: dict[tuple, list] = {}
@@ -242,7 +236,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(STAGES)]
     for p in procs:
         p.start()

@@ -9,8 +9,9 @@ key copy. Only the MoE experts change layout:
     experts.down_proj (E, I, H)     -->    experts.down_proj    (E, H, I)  = down^T
 
 ``save_pretrained`` writes Mixtral experts to disk in the original per-expert layout
-(``block_sparse_moe.experts.N.w1/w2/w3``: w1 = gate^T, w3 = up^T, w2 = down^T, each 2-D);
-``from_hf_state_dict`` reads either layout.
+(``block_sparse_moe.experts.N.w1/w2/w3``: w1 = gate^T, w3 = up^T, w2 = down^T, each 2-D) and
+``from_pretrained`` fuses them again, so these functions see only the in-memory layout. The
+load-balancing coefficient is rescaled both ways (``hf_aux_loss_coef``).
 
 The "init dir" (what ``convert_hf.py import`` writes and ``train.py --init-from`` reads) holds
 ``model_config.json`` (our ``cfg.to_dict()``), ``model.safetensors`` (our names) and optionally
@@ -30,7 +31,7 @@ from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
 from model.config import CONFIG_CLASSES, TransformerConfig, config_from_dict
 from model.transformer import Transformer
 
-__all__ = ["HF_MODEL_TYPES", "SWITCH_HF_DIFFERENCES", "from_hf_config", "from_hf_state_dict",
+__all__ = ["HF_MODEL_TYPES", "from_hf_config", "from_hf_state_dict", "hf_aux_loss_coef",
            "load_init_dir", "save_init_dir", "to_hf_config", "to_hf_state_dict"]
 
 # model_type in an HF config.json -> our family.
@@ -42,50 +43,21 @@ INIT_TOKENIZER_DIR = "tokenizer"
 # transformers' SwitchTransformers uses for it (Mixtral ignores unknown attributes).
 Z_LOSS_ATTR = "router_z_loss_coef"
 
+
+def hf_aux_loss_coef(aux_loss_coef: float, top_k: int) -> float:
+    """Our load-balancing coefficient as transformers' Mixtral ``router_aux_loss_coef``.
+
+    Ours weighs ``E / (k T) * sum_i count_i * mean_prob_i`` (1.0 at perfect balance,
+    ``model/moe/losses.py``); transformers' ``load_balancing_loss_func`` omits the 1/k (k at
+    balance), so the same weighted loss needs a k times smaller coefficient there.
+    """
+    return aux_loss_coef / top_k
+
 SWITCH_EXPORT_ERROR = (
     "model.family 'switch' cannot be exported to transformers: HF SwitchTransformers is a T5 "
     "encoder-decoder (relative-position buckets instead of RoPE, unscaled attention, ReLU "
     "wi/wo FFN instead of SwiGLU, integer per-sequence expert capacity) with no causal-LM class; "
-    "fix: train family mixtral for an HF-loadable MoE (see SWITCH_HF_DIFFERENCES in "
-    "interop/hf.py)")
-
-# README text: why a Switch model has no exact HF export (checked against transformers 5.24,
-# transformers/models/switch_transformers/).
-SWITCH_HF_DIFFERENCES = """\
-Our `switch` family is a decoder-only Llama-style model with Switch routing; transformers'
-`SwitchTransformers` is the original T5-style model. Nothing in transformers loads our weights
-with the same outputs:
-
-- Architecture: `SwitchTransformersForConditionalGeneration` is an encoder-decoder (decoder blocks
-  add cross-attention); there is no decoder-only / `AutoModelForCausalLM` class for it.
-- Positions: T5 relative-position bias (learned, 32 buckets, max distance 128, one table in the
-  first layer shared by the rest); no RoPE. Attention logits are not scaled by 1/sqrt(head_dim)
-  (`scaling = 1.0`). Plain multi-head attention: no grouped-query (kv) heads.
-- FFN: two matrices, `wo(act(wi(x)))`, with `dense_act_fn = "relu"`, for both dense and expert
-  FFNs; ours is the three-matrix SwiGLU `down(silu(gate(x)) * up(x))`. (The config documents a
-  "gated-gelu" option, but the module has no gate matrix and 5.24 has no such activation.)
-- Norm: the same math. `SwitchTransformersLayerNorm` is an RMSNorm (no mean subtraction, no
-  bias, variance in fp32), default eps 1e-6 (ours 1e-5, configurable).
-- Router: `router.classifier` (optional bias), fp32 softmax, top-1, combine weight = the top
-  probability: the same as ours.
-- Capacity: a fixed integer `expert_capacity` per expert *per sequence* (tokens earlier in the
-  sequence win), the same in training and eval; ours is `ceil(k*T/E*cf)` over all T tokens of
-  the micro-batch, with separate train and eval factors. Overflow tokens pass through the
-  residual in both.
-- Jitter: HF multiplies the MoE input in place, so with fp32 activations the experts also see the
-  noisy input; ours scales the router input only.
-- Sparse layers: HF puts MoE FFNs on layers with `i % step == 1` (`step = num_layers //
-  num_sparse_decoder_layers`); ours on `(i + 1) % moe_layer_freq == 0`. The sets agree only for a
-  step/frequency of 2 (or every layer).
-- Auxiliary losses: HF computes the load-balancing and z losses once over all sparse layers
-  concatenated (per sequence, then averaged), sums encoder and decoder, skips both entirely when
-  every layer is sparse, and defaults `router_aux_loss_coef` to 1e-3; ours computes them per MoE
-  layer over the micro-batch and averages over layers (aux coefficient 1e-2, z 1e-3). The z-loss
-  formula, mean(logsumexp(logits)^2), is the same.
-- Output: with tied embeddings (HF's default) the decoder output is scaled by d_model**-0.5
-  before the LM head; dropout 0.1 by default (ours has none).
-"""
-
+    "fix: train family mixtral for an HF-loadable MoE (see docs/switch.md)")
 
 # --------------------------------------------------------------------------- configs
 
@@ -128,7 +100,8 @@ def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> 
             raise ValueError(f"cannot export to HF MixtralForCausalLM: {message}")
     return MixtralConfig(
         **common, sliding_window=None, num_local_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coef,
+        num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=hf_aux_loss_coef(moe.aux_loss_coef, moe.top_k),
         router_jitter_noise=0.0, output_router_logits=False, **{Z_LOSS_ATTR: moe.z_loss_coef})
 
 
@@ -188,7 +161,8 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
     moe_defaults = CONFIG_CLASSES["mixtral"]().moe
     moe = dataclasses.replace(
         moe_defaults, num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
-        aux_loss_coef=float(hf_config.router_aux_loss_coef),
+        # The inverse of hf_aux_loss_coef: the same weighted loss as transformers'.
+        aux_loss_coef=float(hf_config.router_aux_loss_coef) * hf_config.num_experts_per_tok,
         z_loss_coef=float(getattr(hf_config, Z_LOSS_ATTR, moe_defaults.z_loss_coef)))
     return CONFIG_CLASSES["mixtral"](**common, moe=moe).validate()
 
@@ -245,36 +219,14 @@ def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) ->
     return out
 
 
-def _fuse_legacy_experts(hf_sd: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """On-disk per-expert Mixtral keys (``block_sparse_moe.experts.N.w1/w2/w3.weight``) -> the
-    in-memory fused layout (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``)."""
-    out, layers = {}, set()
-    for name, t in hf_sd.items():
-        if ".block_sparse_moe.experts." in name:
-            layers.add(name.split(".block_sparse_moe.")[0])
-        else:
-            out[name.replace(".block_sparse_moe.", ".mlp.")] = t
-    for prefix in sorted(layers):
-        def stack(w: str) -> torch.Tensor:
-            keys = [f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(num_experts)]
-            if missing := [k for k in keys if k not in hf_sd]:
-                raise ValueError(f"HF checkpoint lacks {missing[0]} (num_local_experts is {num_experts})")
-            return torch.stack([hf_sd[k] for k in keys])
-        # w1 = gate (I, H), w3 = up (I, H), w2 = down (H, I), per expert
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat((stack("w1"), stack("w3")), dim=1)
-        out[f"{prefix}.mlp.experts.down_proj"] = stack("w2")
-    return out
-
-
 def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers Llama/MixtralForCausalLM state dict -> ours (contiguous tensors).
+    """A transformers Llama/MixtralForCausalLM state dict (the in-memory layout, as
+    ``model.state_dict()`` holds it) -> ours (contiguous tensors).
 
-    Accepts the in-memory fused expert layout and the on-disk per-expert one. ``lm_head.weight`` is
-    dropped when the embeddings are tied; legacy ``rotary_emb.inv_freq`` buffers are ignored.
+    ``lm_head.weight`` is dropped when the embeddings are tied; legacy ``rotary_emb.inv_freq``
+    buffers are ignored.
     """
     hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.moe is not None and any(".block_sparse_moe." in k for k in hf_sd):
-        hf_sd = _fuse_legacy_experts(hf_sd, cfg.moe.num_experts)
     if cfg.tie_embeddings:
         hf_sd.pop("lm_head.weight", None)
     shapes = _reference_shapes(cfg)

@@ -17,6 +17,8 @@ import torch
 from interop import hf
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 
 
 def log(message: str) -> None:
@@ -87,7 +89,7 @@ def read_hf_dir(hf_dir: Path):
     """Read a local transformers Llama/Mixtral folder.
 
     Returns:
-        (HF config, HF state dict as stored on disk, tokenizer or None)
+        (HF config, HF state dict in transformers' in-memory layout, tokenizer or None)
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -107,7 +109,7 @@ def read_hf_dir(hf_dir: Path):
                          f"convert_hf imports llama (LlamaForCausalLM) and mixtral "
                          f"(MixtralForCausalLM) only")
     hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    state_dict = _read_weights(hf_dir)
+    state_dict = _read_weights(hf_dir, hf_config)
     tokenizer = None
     if any((hf_dir / f).is_file() for f in _TOKENIZER_FILES):
         try:
@@ -118,32 +120,29 @@ def read_hf_dir(hf_dir: Path):
     return hf_config, state_dict, tokenizer
 
 
-def _read_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Single-file or sharded safetensors (or, failing that, pytorch_model.bin) weights."""
-    from safetensors.torch import load_file
+def _read_weights(hf_dir: Path, hf_config) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights in transformers' in-memory names and layout, as its own
+    ``from_pretrained`` reads them (single or sharded safetensors, else pytorch_model.bin; the
+    per-expert Mixtral files fused), in the stored dtype."""
+    from transformers import AutoModelForCausalLM
 
-    def shards(index_name: str) -> list[Path]:
-        weight_map = json.loads((hf_dir / index_name).read_text())["weight_map"]
-        return [hf_dir / f for f in sorted(set(weight_map.values()))]
-
-    if (hf_dir / "model.safetensors").is_file():
-        files, loader = [hf_dir / "model.safetensors"], lambda p: load_file(str(p))
-    elif (hf_dir / "model.safetensors.index.json").is_file():
-        files, loader = shards("model.safetensors.index.json"), lambda p: load_file(str(p))
-    elif (hf_dir / "pytorch_model.bin").is_file() or (hf_dir / "pytorch_model.bin.index.json").is_file():
-        files = ([hf_dir / "pytorch_model.bin"] if (hf_dir / "pytorch_model.bin").is_file()
-                 else shards("pytorch_model.bin.index.json"))
-        loader = lambda p: torch.load(p, map_location="cpu", weights_only=True)  # noqa: E731
-    else:
+    if not any((hf_dir / name).is_file() for name in _WEIGHT_FILES):
         raise FileNotFoundError(f"--hf {hf_dir}: no model.safetensors, model.safetensors.index.json "
                                 f"or pytorch_model.bin; fix: save the model with save_pretrained")
-    state_dict = {}
-    for path in files:
-        if not path.is_file():
-            raise FileNotFoundError(f"--hf {hf_dir}: weight shard {path.name} listed in the index "
-                                    f"is missing")
-        state_dict.update(loader(path))
-    return state_dict
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), config=hf_config, dtype="auto", local_files_only=True,
+            output_loading_info=True)
+    except OSError as e:                # a weight shard listed in the index is missing, ...
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"--hf {hf_dir}: cannot read the weights ({first})") from None
+    # from_pretrained initializes what the files lack; the conversion must not see those.
+    missing = sorted(info["missing_keys"]) + sorted(k for k, *_ in info["mismatched_keys"])
+    if missing:
+        raise ValueError(f"--hf {hf_dir}: the weights lack or mis-shape {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''}; fix: re-save the model with "
+                         f"save_pretrained")
+    return model.state_dict()
 
 
 def import_hf(hf_dir: Path, out_dir: Path):

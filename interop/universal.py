@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from training import checkpoint
+from training.files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]   # on PYTHONPATH of the conversion: it unpickles our classes
 
@@ -71,7 +72,7 @@ def convert(folder: Path, tag: str, workers: int, inject: bool = False) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(scratch / tag, target)
     shutil.rmtree(scratch, ignore_errors=True)
-    checkpoint._atomic_write(out_root / checkpoint.LATEST_UNIVERSAL, tag)
+    atomic_write(out_root / checkpoint.LATEST_UNIVERSAL, tag)
     for old in out_root.iterdir():
         if old.is_dir() and old.name != tag and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)

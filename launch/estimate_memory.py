@@ -5,18 +5,9 @@
     python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
                                      --gpu TYPE [--global-batch SEQS] [--write-config PATH] [--json]
 
-The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
-(ZeRO paper accounting with DeepSpeed 0.19.8's extras, see ``planning/memory_model.py``),
-activations for one micro-batch per block and in total (with the recipe's activation
-checkpointing), temporary buffers, and whether it fits the GPU after a reserve of
-``RESERVE_FRACTION`` for the CUDA context, NCCL and allocator fragmentation. Offloaded states are
-reported as CPU memory per rank and per node.
-
-The planner enumerates ZeRO 0-3 x TP (divisors of the heads up to the node size) x EP (divisors of
-the experts) x PP (divisors of the layers, at most 8) x micro-batch 1/2/4/8 x activation
-checkpointing none/full/selective, keeps what fits and ranks by a predicted step time (see
-``step_time``), then prints the exact launch command of the best. Estimates, not measurements:
-check the top choice with a short run (``mem_gb`` in metrics.jsonl).
+What the estimate counts and how the planner ranks layouts: ``planning/estimator.py``. Bad
+inputs and layouts the trainer would refuse are one line on stderr, exit code 2. Estimates, not
+measurements: check the top choice with a short run (``mem_gb`` in metrics.jsonl).
 """
 
 from __future__ import annotations

@@ -46,9 +46,8 @@ class MoEConfig:
         return math.ceil(self.top_k * num_tokens / self.num_experts * cf)
 
     def validate(self, prefix: str = "model.moe") -> None:
-        _check_positive(f"{prefix}.num_experts", self.num_experts)
-        _check_positive(f"{prefix}.top_k", self.top_k)
-        _check_positive(f"{prefix}.moe_layer_freq", self.moe_layer_freq)
+        for name in ("num_experts", "top_k", "moe_layer_freq"):
+            check_int(f"{prefix}.{name}", getattr(self, name))
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"{prefix}.top_k ({self.top_k}) exceeds {prefix}.num_experts ({self.num_experts}): "
@@ -125,7 +124,7 @@ class TransformerConfig:
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "ffn_hidden_size", "max_seq_len"):
-            _check_positive(f"model.{name}", getattr(self, name))
+            check_int(f"model.{name}", getattr(self, name))
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "
@@ -233,6 +232,14 @@ def _check_keys(d: dict, cls, prefix: str) -> None:
         raise ValueError(f"unknown key {prefix}.{unknown[0]} (known: {', '.join(sorted(known))})")
 
 
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} ({value!r}) must be a positive integer")
+def is_int(value, low: int | None = None) -> bool:
+    """Whether ``value`` is an int (a bool is not) and, with ``low``, at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
+def check_int(name: str, value, low: int = 1, optional: bool = False) -> None:
+    """Raise the one-line error for a count that is not an integer >= ``low`` (None allowed
+    when ``optional``): ``train.steps (0) must be an integer >= 1``."""
+    if (value is None and optional) or is_int(value, low):
+        return
+    raise ValueError(f"{name} ({value!r}) must be an integer >= {low}" + (" or null" if optional else ""))

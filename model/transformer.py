@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
 from model.moe.layer import MoEAux, MoELayer
 from model.parallel import comm
@@ -145,14 +146,14 @@ class Block(nn.Module):
         self.checkpoint_attention = False
         self.checkpoint_ffn = False
 
-    def set_checkpointing(self, policy: str) -> None:
+    def set_checkpointing(self, policy: CheckpointPolicy) -> None:
         """Recompute a sub-layer in backward under the ``attention`` and ``moe`` policies, or
         only the expert FFNs under ``experts`` (the whole-block policies are applied by the
-        caller, see ``blocks_to_checkpoint``)."""
-        self.checkpoint_attention = policy == "attention"
-        self.checkpoint_ffn = policy == "moe" and self.is_moe
+        caller, see ``CheckpointPolicy.whole_blocks``)."""
+        self.checkpoint_attention = policy.name == "attention"
+        self.checkpoint_ffn = policy.name == "moe" and self.is_moe
         if self.is_moe:
-            self.mlp.checkpoint_experts = policy == "experts"
+            self.mlp.checkpoint_experts = policy.name == "experts"
 
     def _attention(self, x, rope):
         return self.self_attn(self.input_layernorm(x), rope)
@@ -172,18 +173,6 @@ class Block(nn.Module):
         else:
             y, aux = self._ffn(x)
         return x + y, aux
-
-
-def blocks_to_checkpoint(policy: str, num_layers: int) -> set[int]:
-    """The blocks an activation-checkpointing ``policy`` recomputes whole (see
-    ``Transformer.set_activation_checkpointing``); raises ValueError on an unknown policy."""
-    full = set(range(num_layers)) if policy == "full" else set()
-    if policy.startswith("every_k:"):
-        full = set(range(0, num_layers, int(policy.split(":", 1)[1])))
-    elif policy not in ("none", "full", "attention", "moe", "experts"):
-        raise ValueError(f"train.activation_checkpointing ({policy!r}) must be none, full, "
-                         f"attention, moe, experts or every_k:<k>")
-    return full
 
 
 @torch.no_grad()
@@ -267,14 +256,11 @@ class Transformer(nn.Module):
         self.reset_parameters(init_seed)
 
     def set_activation_checkpointing(self, policy: str) -> None:
-        """Choose what backward recomputes instead of storing.
-
-        ``none``; ``full`` (every block; stores only block inputs); ``attention`` (the attention
-        sub-layer of every block); ``moe`` (the MoE FFN sub-layers); ``experts`` (only the expert
-        FFNs inside the MoE layers: routing and the expert-parallel exchange are not repeated);
-        ``every_k:<k>`` (blocks 0, k, 2k, ... whole).
+        """Choose what backward recomputes instead of storing: a ``train.activation_checkpointing``
+        policy (none, full, attention, moe, experts, every_k:<k>; see ``model/checkpointing.py``).
         """
-        self.checkpoint_blocks = blocks_to_checkpoint(policy, self.cfg.num_layers)
+        policy = CheckpointPolicy.parse(policy)
+        self.checkpoint_blocks = policy.whole_blocks(self.cfg.num_layers)
         for layer in self.layers:
             layer.set_checkpointing(policy)
 

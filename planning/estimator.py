@@ -12,9 +12,9 @@ checkpointing), temporary buffers, and whether it fits the GPU after a reserve o
 ``RESERVE_FRACTION`` for the CUDA context, NCCL and allocator fragmentation. Offloaded states are
 reported as CPU memory per rank and per node.
 
-The planner enumerates ZeRO 0-3 x TP (divisors of the heads up to the node size) x EP (divisors of
-the experts) x PP (divisors of the layers, at most 8) x micro-batch 1/2/4/8 x activation
-checkpointing none/full/selective, keeps what fits and ranks by a predicted step time (see
+The planner enumerates ZeRO 0-3 x TP (up to the node size) x EP x PP (at most 8) x micro-batch
+1/2/4/8 x activation checkpointing none/full/selective, skips what the trainer would refuse (the
+same validators), keeps what fits and ranks by a predicted step time (see
 ``step_time``), then prints the exact launch command of the best. Estimates, not measurements:
 check the top choice with a short run (``mem_gb`` in metrics.jsonl).
 """
@@ -26,10 +26,12 @@ import itertools
 import shlex
 from pathlib import Path
 
+from model.checkpointing import CheckpointPolicy
+from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
-from training.ds_config import load_ds_config, validate_ds_config
+from training.ds_config import check_layout, load_ds_config, validate_ds_config
 from training.hardware import GPUS, GPUSpec, train_flops_per_token
-from training.recipe import ParallelConfig, Recipe
+from training.recipe_schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
 ASSUMED_MFU = 0.45        # compute efficiency the planner's step time assumes
@@ -50,25 +52,17 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     ``worst`` (the stage with the largest total) and ``fits``.
 
     Raises:
-        ValueError: a layout that does not divide the GPUs, a micro-batch that the ep ranks cannot
-            split, ZeRO-2/3 with pipelines, an unknown GPU.
+        ValueError: what the trainer refuses (``Recipe.dims`` on ``gpus``,
+            ``training.ds_config.check_layout``), an unknown GPU.
     """
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown: choose one of {', '.join(GPUS)}")
-    spec, cfg, par = GPUS[gpu], recipe.model, recipe.parallel
-    layout = mm.Layout(gpus, par.tensor_parallel_size, par.expert_parallel_size,
-                       par.pipeline_parallel_size, par.sequence_parallel, gpus_per_node)
-    ds = validate_ds_config(ds, layout.dp)
+    spec, cfg, dims = GPUS[gpu], recipe.model, recipe.dims(gpus)
+    layout = mm.Layout(gpus, dims.tp, dims.ep, dims.pp, dims.sp, gpus_per_node)
+    ds = validate_ds_config(ds, dims.dp)
+    check_layout(ds, dims)
     micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    zero = ds.get("zero_optimization") or {}
-    stage, precision = int(zero.get("stage", 0)), mm.precision_of(ds)
-    if micro % layout.ep:
-        raise ValueError(f"train_micro_batch_size_per_gpu ({micro}) is not divisible by "
-                         f"parallel.expert_parallel_size ({layout.ep}): the ep ranks split each "
-                         f"micro-batch; use a multiple of {layout.ep}")
-    if layout.pp > 1 and stage > 1:
-        raise ValueError(f"zero_optimization.stage ({stage}) with parallel.pipeline_parallel_size "
-                         f"{layout.pp}: DeepSpeed refuses ZeRO-2/3 with pipelines; use ZeRO 0 or 1")
+    stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
     stages = [_stage(recipe, layout, ds, s, micro) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
     usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
@@ -117,18 +111,19 @@ def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
     causal attention forward (2 h s) for recomputed attention."""
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    whole = mm.checkpointed_blocks(cfg, policy)
+    policy = CheckpointPolicy.parse(policy)
+    whole = policy.whole_blocks(cfg.num_layers)
     total = 0.0
     for i in range(cfg.num_layers):
         moe = cfg.is_moe_layer(i)
         ffn = (cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts) if moe else 3 * h * f
         if i in whole:
             total += 2 * (attn + ffn) + 2 * h * seq_len
-        elif policy == "attention":
+        elif policy.name == "attention":
             total += 2 * attn + 2 * h * seq_len
-        elif policy == "moe" and moe:
+        elif policy.name == "moe" and moe:
             total += 2 * ffn
-        elif policy == "experts" and moe:
+        elif policy.name == "experts" and moe:
             total += 2 * cfg.moe.top_k * 3 * h * f
     return total
 
@@ -165,10 +160,10 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     tp_bytes = 4 * len(layers) * m * t_rank * cfg.hidden_size * a * 2 * (tp - 1) / tp
     ep_bytes = 0.0
     if cfg.moe is not None:
-        policy = est["activation_checkpointing"]
-        whole = mm.checkpointed_blocks(cfg, policy)
+        policy = CheckpointPolicy.parse(est["activation_checkpointing"])
+        whole = policy.whole_blocks(cfg.num_layers)
         moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
-        redone = sum(i in whole or policy == "moe" for i in moe_layers)   # exchange recomputed
+        redone = sum(i in whole or policy.name == "moe" for i in moe_layers)   # exchange recomputed
         ep_bytes = ((2 * len(moe_layers) + redone) * m * 2 * mm.routed_rows(cfg, t_rank)
                     * cfg.hidden_size * a * (ep - 1) / ep)
         other = max(st["params"]["other"] for st in est["stages"])
@@ -182,8 +177,20 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     return out
 
 
-def _divisors(n: int, most: int) -> list[int]:
-    return [d for d in range(1, min(n, most) + 1) if n % d == 0]
+CHECKPOINTING = ("none", "full", "attention", "moe", "experts")   # the planner's candidates
+
+
+def _layouts(recipe: Recipe, world: int, gpus_per_node: int):
+    """Every layout the trainer accepts on ``world`` GPUs (``ParallelDims``), with tp inside a
+    node and at most 8 pipeline stages. Sequence parallelism whenever tp > 1 can split the
+    sequence: activations split by tp for one more all-gather per sub-layer in backward (not in
+    ``step_time``: small)."""
+    for tp, ep, pp in itertools.product(range(1, gpus_per_node + 1), range(1, world + 1), range(1, 9)):
+        sp = tp > 1 and recipe.seq_len % tp == 0
+        try:
+            yield ParallelDims(tp, ep, pp, sp, world, recipe.model, recipe.seq_len)
+        except ValueError:
+            continue
 
 
 def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: str = "bf16",
@@ -192,37 +199,34 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
 
     Every candidate keeps the global batch (sequences per step; default PLAN_TOKENS / seq_len)
     and uses the stock ``ds_configs/zero{stage}[_fp32].json`` with its micro-batch and
-    accumulation replaced. Returns ``{"layouts": [...best first...], "considered", ...}``.
+    accumulation replaced; what the trainer would refuse (the recipe's checks, ``ParallelDims``,
+    ``training.ds_config.check_layout``) is skipped. Returns ``{"layouts": [...best first...],
+    "considered", ...}``.
     """
-    cfg, world = recipe.model, nodes * gpus_per_node
+    world = nodes * gpus_per_node
     global_batch = global_batch or max(1, round(PLAN_TOKENS / recipe.seq_len))
     suffix = "_fp32" if precision == "fp32" else ""
     bases = {s: load_ds_config(str(REPO / "ds_configs" / f"zero{s}{suffix}.json")) for s in range(4)}
-    tps = [t for t in _divisors(cfg.num_heads, gpus_per_node)
-           if (cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0) and cfg.ffn_hidden_size % t == 0]
-    eps = _divisors(cfg.moe.num_experts, world) if cfg.moe is not None else [1]
-    policies = ["none", "full", "attention"] + (["moe", "experts"] if cfg.moe is not None else [])
     rows, considered = [], 0
-    for tp, ep, pp in itertools.product(tps, eps, _divisors(cfg.num_layers, 8)):
-        if world % (tp * ep * pp):
-            continue
-        dp = world // (tp * ep * pp)
-        for stage, micro, policy in itertools.product(range(4), (1, 2, 4, 8), policies):
+    for dims in _layouts(recipe, world, gpus_per_node):
+        for stage, micro, policy in itertools.product(range(4), (1, 2, 4, 8), CHECKPOINTING):
             considered += 1
-            if (pp > 1 and stage > 1) or micro % ep or global_batch % (micro * dp):
+            if global_batch % (micro * dims.dp):
                 continue
             ds = dict(bases[stage], train_micro_batch_size_per_gpu=micro,
-                      gradient_accumulation_steps=global_batch // (micro * dp))
-            # Sequence parallelism whenever tp > 1 can split the sequence: activations split by
-            # tp for one more all-gather per sub-layer in backward (not in step_time: small).
-            sp = tp > 1 and recipe.seq_len % tp == 0
-            r = dataclasses.replace(
-                recipe, parallel=ParallelConfig(tp, ep, pp, sp, recipe.parallel.expert_placement),
-                train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
-            est = estimate(r, ds, world, gpus_per_node, gpu)
+                      gradient_accumulation_steps=global_batch // (micro * dims.dp))
+            try:
+                r = dataclasses.replace(
+                    recipe, parallel=ParallelConfig(dims.tp, dims.ep, dims.pp, dims.sp,
+                                                    recipe.parallel.expert_placement),
+                    train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
+                est = estimate(r, ds, world, gpus_per_node, gpu)
+            except ValueError:
+                continue
             if est["fits"]:
-                rows.append({"zero_stage": stage, "tp": tp, "ep": ep, "pp": pp, "dp": dp, "sp": sp,
-                             "micro_batch": micro, "accumulation": ds["gradient_accumulation_steps"],
+                rows.append({"zero_stage": stage, "tp": dims.tp, "ep": dims.ep, "pp": dims.pp,
+                             "dp": dims.dp, "sp": dims.sp, "micro_batch": micro,
+                             "accumulation": ds["gradient_accumulation_steps"],
                              "activation_checkpointing": policy,
                              "config": f"ds_configs/zero{stage}{suffix}.json",
                              "gpu_total": est["worst"]["gpu_total"], **step_time(r, est, gpu)})

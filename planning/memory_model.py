@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
+from model.parallel.dims import ParallelDims
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32, INT64 = 4, 8
@@ -30,13 +32,9 @@ def zero_shard_group_size(world: int, tp: int, ep: int, pp: int) -> int:
     alike; non-expert parameters are replicated over the ep ranks, and those ranks split each
     micro-batch among themselves. (DeepSpeed's own MoE would instead shard non-expert parameters
     over ``world / (tp * pp)`` and experts over ``world / (tp * ep * pp)``.) Change it here only.
+    Raises ``ParallelDims``'s ValueError when the degrees do not divide ``world``.
     """
-    model = tp * ep * pp
-    if world % model:
-        raise ValueError(f"--gpus ({world}) is not divisible by tensor x expert x pipeline parallel "
-                         f"sizes ({tp} x {ep} x {pp} = {model}): use a multiple of {model} GPUs "
-                         f"or change parallel.*_parallel_size")
-    return world // model
+    return ParallelDims(tp, ep, pp, world_size=world).dp
 
 
 @dataclass(frozen=True)
@@ -261,15 +259,6 @@ def logits_transient(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1)
     return tokens * (a + FP32) * math.ceil(cfg.vocab_size / tp)
 
 
-def checkpointed_blocks(cfg: TransformerConfig, policy: str) -> set[int]:
-    """Blocks recomputed whole, as ``Transformer.set_activation_checkpointing`` chooses them."""
-    if policy == "full":
-        return set(range(cfg.num_layers))
-    if policy.startswith("every_k:"):
-        return set(range(0, cfg.num_layers, int(policy.split(":", 1)[1])))
-    return set()
-
-
 def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, seq_len: int,
                      a: int, policy: str = "none", stage: int = 0) -> dict:
     """Activation bytes on one rank of pipeline stage ``stage`` at the peak of a step.
@@ -283,7 +272,8 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
     """
     tp, sp = layout.tp, layout.sp
     tokens = micro_batch * seq_len / layout.ep
-    whole = checkpointed_blocks(cfg, policy)
+    policy = CheckpointPolicy.parse(policy)
+    whole = policy.whole_blocks(cfg.num_layers)
     block_input = tokens * a * cfg.hidden_size / (tp if sp else 1)
     stored = recompute = 0.0
     layers = stage_layers(cfg, layout.pp, stage)
@@ -294,17 +284,17 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
         full = sum(blk.values())
         if i in whole:
             redo = full
-        elif policy == "attention":
+        elif policy.name == "attention":
             redo = blk["norm1"] + blk["attention"]
-        elif policy == "moe" and "router" in blk:
+        elif policy.name == "moe" and "router" in blk:
             redo = blk["norm2"] + blk["router"] + blk["dispatch"] + blk["experts"] + blk["combine"]
-        elif policy == "experts" and "router" in blk:
+        elif policy.name == "experts" and "router" in blk:
             redo = blk["experts"]
         else:
             redo = 0.0
         # A checkpointed block or sub-layer stores its input; the experts' input is the
         # dispatched rows, which the dispatch already keeps.
-        stored += full - redo + (block_input if redo and policy != "experts" else 0.0)
+        stored += full - redo + (block_input if redo and policy.name != "experts" else 0.0)
         recompute = max(recompute, redo)
     in_flight = layout.pp - stage
     out = {"tokens_per_rank": tokens, "in_flight_micro_batches": in_flight,

@@ -5,9 +5,10 @@ activations, shard more model state, shrink the micro-batch (same global batch),
 matmuls over more GPUs of the node (same global batch), move optimizer states to CPU memory. Each
 rung is applied on top of the ones before it when the estimator (``planning/estimator.py``)
 says it lowers this rank's memory, and is checked as the trainer would check it (recipe
-validation, ``validate_ds_config``, ``run_setup.check_layout``); the walk stops at the first
-layout that fits. Recipe changes become ``--set`` overrides; DeepSpeed changes are applied to the
-user's JSON and written to ``<run-dir>/oom_next_ds_config.json``, which the command points at.
+validation, ``Recipe.dims``, ``validate_ds_config``, ``ds_config.check_layout``); the walk stops
+at the first layout that fits. Recipe changes become ``--set`` overrides; DeepSpeed changes are
+applied to the user's JSON and written to ``<run-dir>/oom_next_ds_config.json``, which the
+command points at.
 """
 
 from __future__ import annotations
@@ -21,22 +22,16 @@ from pathlib import Path
 
 import torch
 
-from training import ds_config, run_setup
 from planning import memory_model as mm
 from planning.estimator import GB, estimate
+from training import ds_config, run_setup
+from training.files import atomic_write
 from training.recipe import apply_overrides, recipe_from_dict
 
 LADDER = ("activation checkpointing full", "ZeRO stage + 1",
           "halve the micro-batch, double the accumulation",
           "double tensor parallelism within the node", "offload the optimizer (and ZeRO-3 params)")
 NEXT_CONFIG = "oom_next_ds_config.json"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, so that no reader sees half of it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def gpus_per_node(plan) -> int:
@@ -68,50 +63,10 @@ def suggest(plan, args, device: torch.device, est: dict) -> dict:
         est: ``planning.oom``'s estimate section: ``gpu_table_entry``, ``scale`` (the estimator's
             miss on this run, applied to activations and buffers) and ``budget`` (bytes).
     """
-    base_recipe, raw = plan.recipe.to_dict(), ds_config.load_ds_config(args.config)
-    world, gpn, gpu = plan.world_size, gpus_per_node(plan), est["gpu_table_entry"]
-
-    def build(c: _Candidate):
-        recipe = recipe_from_dict(apply_overrides(base_recipe, [f"{k}={v}" for k, v in c.sets.items()]))
-        ds = copy.deepcopy(raw)
-        for key, value in c.json.items():
-            *parents, last = key.split(".")
-            node = ds
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[last] = value
-        dp = run_setup.data_parallel_size(recipe, world)
-        resolved = run_setup.resolve_ds_config(ds_config.validate_ds_config(ds, dp), recipe)
-        run_setup.check_layout(recipe, resolved)
-        states, transient = cost(estimate(recipe, resolved, world, gpn, gpu), device)
-        return recipe, resolved, ds, states + transient * est["scale"]
-
-    current = _Candidate()
-    recipe, ds, written, mem = build(current)
-    rungs, fits = [], False
-    for name, rung in zip(LADDER, (_rung_checkpointing, _rung_zero, _rung_micro, _rung_tp, _rung_offload)):
-        options = rung(recipe, ds, world, gpn)       # a reason to skip, or changes to try
-        row = {"rung": name, "change": None, "status": "skipped", "estimate_gb": None,
-               "reason": options if isinstance(options, str) else None}
-        rungs.append(row)
-        for change, sets, keys in ([] if isinstance(options, str) else options):
-            cand = _Candidate({**current.sets, **sets}, {**current.json, **keys}, current.changes + [change])
-            row["change"] = change
-            try:
-                built = build(cand)
-            except ValueError as e:
-                row["reason"] = f"not a valid layout: {e}"
-                continue
-            row["estimate_gb"] = built[3] / GB
-            if built[3] >= mem:
-                row["reason"] = "does not lower the estimate"
-                continue
-            current, (recipe, ds, written, mem) = cand, built
-            row["status"], row["reason"] = "applied", None
-            break
-        if row["status"] == "applied" and mem <= est["budget"]:
-            fits = True
-            break
+    gpn, gpu = gpus_per_node(plan), est["gpu_table_entry"]
+    build = _Builder(plan.recipe.to_dict(), ds_config.load_ds_config(args.config), plan.world_size,
+                     gpn, gpu, device, est["scale"])
+    current, (_, _, written, mem), rungs, fits = _walk(build, est["budget"])
     out = {"budget_gb": est["budget"] / GB, "scale": est["scale"], "rungs": rungs, "fits": fits,
            "changes": current.changes, "set": current.sets, "ds_json_changes": current.json,
            "estimate_gb": mem / GB, "config": None, "command": None}
@@ -137,6 +92,70 @@ def suggest(plan, args, device: torch.device, est: dict) -> dict:
         out["note"] = ("the run directory holds checkpoints of the old ZeRO stage/batch/TP layout; "
                        "resuming them under the new one is not tested here: a new --run-dir is safe")
     return out
+
+
+@dataclass
+class _Builder:
+    """Builds a candidate as the trainer would (recipe, DeepSpeed JSON, layout checks) and
+    sizes it: ``(recipe, resolved JSON, JSON to write, estimated bytes)``."""
+
+    base_recipe: dict
+    raw_ds: dict
+    world: int
+    gpus_per_node: int
+    gpu: str
+    device: torch.device
+    scale: float
+
+    def __call__(self, c: _Candidate):
+        recipe = recipe_from_dict(apply_overrides(self.base_recipe,
+                                                  [f"{k}={v}" for k, v in c.sets.items()]))
+        ds = copy.deepcopy(self.raw_ds)
+        for key, value in c.json.items():
+            *parents, last = key.split(".")
+            node = ds
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        dims = recipe.dims(self.world)
+        resolved = run_setup.resolve_ds_config(ds_config.validate_ds_config(ds, dims.dp), recipe)
+        ds_config.check_layout(resolved, dims)
+        states, transient = cost(estimate(recipe, resolved, self.world, self.gpus_per_node,
+                                          self.gpu), self.device)
+        return recipe, resolved, ds, states + transient * self.scale
+
+
+def _walk(build: _Builder, budget: float) -> tuple[_Candidate, tuple, list[dict], bool]:
+    """Apply each rung of ``LADDER`` that lowers the estimate, until one fits ``budget``; return
+    the last applied candidate, what ``build`` made of it, the rungs tried and whether it fits."""
+    current = _Candidate()
+    best = build(current)
+    recipe, ds, _, mem = best
+    rungs = []
+    for name, rung in zip(LADDER, (_rung_checkpointing, _rung_zero, _rung_micro, _rung_tp, _rung_offload)):
+        options = rung(recipe, ds, build.world, build.gpus_per_node)   # a reason to skip, or changes
+        row = {"rung": name, "change": None, "status": "skipped", "estimate_gb": None,
+               "reason": options if isinstance(options, str) else None}
+        rungs.append(row)
+        for change, sets, keys in ([] if isinstance(options, str) else options):
+            cand = _Candidate({**current.sets, **sets}, {**current.json, **keys}, current.changes + [change])
+            row["change"] = change
+            try:
+                built = build(cand)
+            except ValueError as e:
+                row["reason"] = f"not a valid layout: {e}"
+                continue
+            row["estimate_gb"] = built[3] / GB
+            if built[3] >= mem:
+                row["reason"] = "does not lower the estimate"
+                continue
+            current, best = cand, built
+            recipe, ds, _, mem = built
+            row["status"], row["reason"] = "applied", None
+            break
+        if row["status"] == "applied" and mem <= budget:
+            return current, best, rungs, True
+    return current, best, rungs, False
 
 
 def _rung_checkpointing(recipe, ds, world, gpn):
@@ -166,8 +185,7 @@ def _rung_micro(recipe, ds, world, gpn):
 
 def _rung_tp(recipe, ds, world, gpn):
     par, acc = recipe.parallel, ds["gradient_accumulation_steps"]
-    tp = par.tensor_parallel_size
-    dp = world // (tp * par.expert_parallel_size * par.pipeline_parallel_size)
+    tp, dp = par.tensor_parallel_size, recipe.dims(world).dp
     if 2 * tp > gpn:
         return f"tensor parallelism {2 * tp} exceeds the {gpn} GPU(s) of a node"
     if dp % 2:

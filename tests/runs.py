@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
 # A small MoE model so that each step takes milliseconds; router jitter on, so that the resume
@@ -29,7 +31,7 @@ def launch(run_dir: Path, config: str, nproc: int = 2, extra=(), timeout: int = 
            wait: bool = True, steps: int = STEPS):
     """Start ``launch/train.py`` like a user would (torchrun for nproc > 1)."""
     prefix = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port())] if nproc > 1 else [sys.executable])
+               "--master_port", str(free_port())] if nproc > 1 else [sys.executable])
     cmd = prefix + ["launch/train.py", "--config", config, "--run-dir", str(run_dir),
                     "--steps", str(steps), "--set", *SMALL, *extra]
     log = open(run_dir.parent / f"{run_dir.name}.log", "a")
@@ -40,13 +42,6 @@ def launch(run_dir: Path, config: str, nproc: int = 2, extra=(), timeout: int = 
     rc = proc.wait(timeout=timeout)
     assert rc == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
     return proc
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -15,13 +15,13 @@ are deleted after the pointer has moved.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from model.parallel import comm
+from training.files import atomic_write
 
 LATEST = "latest"
 UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
@@ -44,12 +44,6 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return tag
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
     """Save a checkpoint on every rank, then move ``latest`` and prune (rank 0).
 
@@ -59,7 +53,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) 
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     comm.barrier()
     if engine.global_rank == 0:
-        _atomic_write(Path(ckpt_dir) / LATEST, tag)
+        atomic_write(Path(ckpt_dir) / LATEST, tag)
         tags = sorted(p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.startswith("step"))
         for old in tags[:-keep_last] if keep_last > 0 else []:
             if old != tag:
@@ -210,102 +204,6 @@ def _fix_zero3_universal_load(engine, folder: Path) -> None:
                          f"groups, this run {len(live)}: resume with the same optimizer settings")
     for group, settings in zip(live, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
-
-
-# ----------------------------------------------------------------------------------------------
-# Universal checkpoints (DeepSpeed's ds_to_universal): how each parameter was cut.
-
-def shard_maps(cfg, tp: int, ep: int, expert_placement: str = "contiguous") -> dict:
-    """``name -> deepspeed.checkpoint.affine.ParamAffineMap`` over the tp x ep model-parallel
-    ranks (mp rank = ep_rank * tp + tp_rank, DeepSpeed's ``mp_rank_XX``).
-
-    Built from every parameter's ``shard_spec`` at each (tp_rank, ep_rank) on the meta device.
-    A piece is a box of the full tensor: one run of consecutive indices per dimension; the
-    pieces of a replicated parameter name every rank that holds them.
-    """
-    import itertools
-
-    from deepspeed.checkpoint.affine import AffinePiece, ParamAffineMap
-
-    from model import Transformer
-    from model.parallel.groups import ParallelGroups
-
-    def strides(shape):
-        out, acc = [], 1
-        for n in reversed(shape):
-            out.append(acc)
-            acc *= n
-        return tuple(reversed(out))
-
-    def runs(values):        # [(source start, shard start, length)] of consecutive indices
-        out = []
-        for j, v in enumerate(values):
-            if out and v == out[-1][0] + out[-1][2]:
-                out[-1][2] += 1
-            else:
-                out.append([v, j, 1])
-        return out
-
-    boxes: dict[str, dict[int, list]] = {}
-    full_shapes, shard_shapes = {}, {}
-    for ep_rank in range(ep):
-        for tp_rank in range(tp):
-            mp_rank = ep_rank * tp + tp_rank
-            layout = ParallelGroups(tp=tp, ep=ep, tp_rank=tp_rank, ep_rank=ep_rank,
-                                    expert_placement=expert_placement)
-            with torch.device("meta"):
-                model = Transformer(cfg, layout)
-            for name, p in model.named_parameters():
-                index = [list(range(n)) for n in p.full_shape]
-                for dim, idx in p.shard_spec:
-                    index[dim] = [index[dim][i] for i in idx]
-                full_shapes[name] = tuple(p.full_shape)
-                shard_shapes.setdefault(name, {})[mp_rank] = tuple(p.shape)
-                boxes.setdefault(name, {})[mp_rank] = list(itertools.product(*map(runs, index)))
-    maps = {}
-    for name, per_rank in boxes.items():
-        full, holders = full_shapes[name], {}
-        for rank, pieces in per_rank.items():
-            for box in pieces:
-                key = tuple((src, n) for src, _, n in box)
-                holders.setdefault(key, set()).add(rank)
-        fs = strides(full)
-        pieces_by_rank = {}
-        for rank, pieces in per_rank.items():
-            ss = strides(shard_shapes[name][rank])
-            pieces_by_rank[rank] = [AffinePiece(
-                shape=[n for _, _, n in box],
-                source_offset=sum(src * s for (src, _, _), s in zip(box, fs)), source_strides=fs,
-                dest_offset=sum(dst * s for (_, dst, _), s in zip(box, ss)), dest_strides=ss,
-                locations=holders[tuple((src, n) for src, _, n in box)]) for box in pieces]
-        maps[name] = ParamAffineMap(full, shard_shapes[name], pieces_by_rank)
-    return maps
-
-
-def enable_universal_checkpoint(model, groups) -> None:
-    """Describe ``model``'s sharding for DeepSpeed's universal checkpoint.
-
-    Sets ``model.universal_checkpoint_info`` (saved into every checkpoint; ``ds_to_universal``
-    merges the tp x ep shards with its affine maps) and, under tensor/expert parallelism, each
-    parameter's restore map (``ds_autotp_universal_checkpoint_meta``), with which a universal
-    checkpoint loads into this layout: DeepSpeed's own rule (chunk along one dim) cannot cut
-    experts or row-parallel weights.
-    """
-    from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION
-    from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION,
-                                                DS_AUTOTP_UC_META, UNIVERSAL_CHECKPOINT_INFO,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY,
-                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    import re
-    info = {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    if groups.tp * groups.ep > 1:
-        maps = {n: m.to_dict() for n, m in
-                shard_maps(model.cfg, groups.tp, groups.ep, groups.expert_placement).items()}
-        info[AFFINE_MAP] = {AFFINE_MAP_VERSION: AFFINE_MAP_FORMAT_VERSION,
-                            AFFINE_MAP_PARAMS: {f"^{re.escape(n)}$": m for n, m in maps.items()}}
-        for name, p in model.named_parameters():
-            setattr(p, DS_AUTOTP_UC_META, {"conversion": {"affine_map": maps[name]}})
-    setattr(model, UNIVERSAL_CHECKPOINT_INFO, info)
 
 
 def read_run_config(run_dir: Path) -> dict:

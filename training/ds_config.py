@@ -18,6 +18,8 @@ from typing import Any, List, Tuple
 
 import torch
 
+from model.config import is_int
+from model.parallel.dims import ParallelDims
 from training.schedules import AUTO, DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, validate_scheduler
 
 # deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS (matched case-insensitively by DeepSpeed).
@@ -77,10 +79,6 @@ def _object(section: dict, key: str, prefix: str = "") -> dict:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _no_duplicates(pairs: List[Tuple[str, Any]]) -> dict:
@@ -143,7 +141,7 @@ def _check_zero(cfg: dict) -> int:
     if not isinstance(zero, dict):
         raise _fail("zero_optimization", zero, "must be an object", 'write {"stage": 0..3, ...}')
     stage = zero.get("stage", 0)
-    if not _is_int(stage) or not 0 <= stage <= 3:
+    if not is_int(stage, 0) or stage > 3:
         raise _fail("zero_optimization.stage", stage, "must be 0, 1, 2 or 3", "pick a ZeRO stage")
     for key, low in (("offload_param", 3), ("offload_optimizer", 1)):
         device = _object(zero, key, "zero_optimization.").get("device", "none")
@@ -162,11 +160,11 @@ def _check_batch(cfg: dict, dp_size: int) -> dict:
     if acc is None:
         # As DeepSpeed does: with the total and the micro batch given, accumulation is derived.
         acc = 1
-        if _is_int(total) and _is_int(micro) and micro >= 1 and total % (micro * dp_size) == 0:
+        if is_int(total) and is_int(micro, 1) and total % (micro * dp_size) == 0:
             acc = max(1, total // (micro * dp_size))
-    if not _is_int(acc) or acc < 1:
+    if not is_int(acc, 1):
         raise _fail("gradient_accumulation_steps", acc, "must be an integer >= 1", "use 1 for no accumulation")
-    if total is not None and (not _is_int(total) or total < 1):
+    if total is not None and not is_int(total, 1):
         raise _fail("train_batch_size", total, "must be an integer >= 1", "delete it; it is derived")
     if micro is None:
         if total is None:
@@ -178,7 +176,7 @@ def _check_batch(cfg: dict, dp_size: int) -> dict:
                         f"is not a multiple of gradient_accumulation_steps x dp size = {acc} x {dp_size}",
                         "set train_micro_batch_size_per_gpu instead")
         out["train_micro_batch_size_per_gpu"] = micro
-    if not _is_int(micro) or micro < 1:
+    if not is_int(micro, 1):
         raise _fail("train_micro_batch_size_per_gpu", micro, "must be an integer >= 1", "set e.g. 4")
     derived = micro * acc * dp_size
     if total is not None and total != derived:
@@ -207,7 +205,7 @@ def _check_precision(cfg: dict) -> None:
         if key in fp16:
             value = fp16[key]
             integral = key != "min_loss_scale"
-            if not (_is_int(value) if integral else _is_number(value)) or value < low:
+            if not (is_int(value) if integral else _is_number(value)) or value < low:
                 raise _fail(f"fp16.{key}", value, f"must be {'an integer' if integral else 'a number'} >= {low}",
                             fix)
 
@@ -289,7 +287,7 @@ def _check_scheduler(cfg: dict) -> None:
                     "use \"linear\" or \"log\"")
     for key in ("total_num_steps", "warmup_num_steps"):
         value = params.get(key)
-        if value is not None and value != AUTO and (not _is_int(value) or value < 1):
+        if value is not None and value != AUTO and not is_int(value, 1):
             raise _fail(f"scheduler.params.{key}", value, "must be an integer >= 1 or \"auto\"",
                         "\"auto\" takes it from the run length")
 
@@ -307,7 +305,7 @@ def _check_lr_scaling(cfg: dict) -> None:
     if block.get("rule") not in ("none", "linear", "sqrt"):
         raise _fail("lr_scaling.rule", block.get("rule"), "is not a rule", "use \"none\", \"linear\" or \"sqrt\"")
     base = block.get("base_batch_size")
-    if not _is_int(base) or base < 1:
+    if not is_int(base, 1):
         raise _fail("lr_scaling.base_batch_size", base, "must be an integer >= 1",
                     "set the global batch the lr was tuned at")
 
@@ -335,7 +333,7 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     """
     if not isinstance(cfg, dict):
         raise ValueError(f"ds_config: {type(cfg).__name__} is not an object (pass the parsed JSON dict)")
-    if not _is_int(dp_size) or dp_size < 1:
+    if not is_int(dp_size, 1):
         raise ValueError(f"dp_size: {dp_size!r} must be an integer >= 1 (pass the data-parallel world size)")
     _check_removed(cfg)
     stage = _check_zero(cfg)
@@ -348,3 +346,30 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     _check_scheduler(cfg)
     _check_lr_scaling(cfg)
     return out
+
+
+def check_layout(ds: dict, dims: ParallelDims) -> None:
+    """Refuse parallel layouts that this (validated) DeepSpeed config cannot run, before anything
+    starts; the degrees themselves are checked by ``ParallelDims``.
+
+    Raises:
+        ValueError: a micro-batch the expert-parallel ranks cannot split; ZeRO-0 in bf16/fp16
+            under tensor/expert parallelism (wrong gradient norm); pipelines with ZeRO-2/3.
+    """
+    micro = ds["train_micro_batch_size_per_gpu"]
+    if micro % dims.ep:
+        raise ValueError(
+            f"ds_config.train_micro_batch_size_per_gpu ({micro}) is not divisible by "
+            f"parallel.expert_parallel_size ({dims.ep}): expert-parallel ranks split each "
+            f"micro-batch between them; use a multiple of {dims.ep}")
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    half = any(_object(ds, key).get("enabled") for key in ("bf16", "bfloat16", "fp16"))
+    if stage == 0 and half and dims.tp * dims.ep > 1:
+        raise ValueError(
+            "ds_config: ZeRO-0 with bf16/fp16 reports a wrong gradient norm (and clips wrongly) "
+            "under tensor/expert parallelism (DeepSpeed's FP16_UnfusedOptimizer skips every "
+            "shard on model-parallel ranks > 0): use ds_configs/zero1.json or higher")
+    if dims.pp > 1 and stage > 1:
+        raise ValueError(f"ds_config: zero_optimization.stage ({stage}) with "
+                         f"parallel.pipeline_parallel_size ({dims.pp}): DeepSpeed's pipeline engine "
+                         f"refuses ZeRO-2/3; use ds_configs/zero1.json or zero0.json")

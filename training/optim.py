@@ -4,7 +4,8 @@
   embeddings); each group carries the `"name"` key DeepSpeed's MoE utilities index by.
 - `Lamb`: a pure-torch LAMB for the CPU accelerator, where DeepSpeed's `FusedLamb` has no kernel.
   `maybe_build_client_optimizer` builds it when the JSON asks for `Lamb` on CPU.
-- `scale_lr` / `apply_lr_scaling`: scale the peak lr with the global batch (none, linear, sqrt).
+- `scale_lr` / `apply_lr_scaling`: scale the peak lr with the global batch (none, linear, sqrt), as
+  the DeepSpeed JSON's `"lr_scaling": {"rule": ..., "base_batch_size": ...}` block asks.
 """
 
 import copy
@@ -13,6 +14,8 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+from model.config import is_int
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 
@@ -173,7 +176,7 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
     if rule not in LR_SCALING_RULES:
         raise ValueError(f"lr_scaling.rule: {rule!r} is not a rule (use one of {list(LR_SCALING_RULES)})")
     for key, value in (("base_batch_size", base_batch), ("train_batch_size", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value, 1):
             raise ValueError(f"lr_scaling.{key}: {value!r} must be an integer >= 1 (set the global batch size)")
     if rule == "linear":
         return base_lr * batch / base_batch
@@ -187,36 +190,27 @@ def scale_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
 _SCHEDULER_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr")
 
 
-def apply_lr_scaling(ds_config: dict, rule: Optional[str] = None, base_batch_size: Optional[int] = None) -> dict:
+def apply_lr_scaling(ds_config: dict) -> dict:
     """Scale the config's peak lr to its global batch, and drop the `lr_scaling` block.
 
-    The rule comes either from the JSON's optional top-level block
-    `"lr_scaling": {"rule": "sqrt", "base_batch_size": 64}` or from the arguments (the recipe's
-    `train.lr_scaling` / `train.lr_scaling_base_batch`), not both. `optimizer.params.lr` and the
-    absolute lrs in DeepSpeed's scheduler params (`warmup_min_lr`, `warmup_max_lr`,
-    `cycle_min_lr`, `cycle_max_lr`, `lr_range_test_min_lr`) are multiplied by
-    `scale_lr(1, base_batch_size, train_batch_size, rule)`. Call it after `validate_ds_config`
-    (which derives `train_batch_size`) and before `resolve_auto` (so that `warmup_max_lr: "auto"`
-    copies the scaled lr).
+    The rule is the JSON's optional top-level block `"lr_scaling": {"rule": "sqrt",
+    "base_batch_size": 64}`: `optimizer.params.lr` and the absolute lrs in DeepSpeed's scheduler
+    params (`warmup_min_lr`, `warmup_max_lr`, `cycle_min_lr`, `cycle_max_lr`,
+    `lr_range_test_min_lr`) are multiplied by `scale_lr(1, base_batch_size, train_batch_size,
+    rule)`. Call it after `validate_ds_config` (which derives `train_batch_size` and checks the
+    block) and before `resolve_auto` (so that `warmup_max_lr: "auto"` copies the scaled lr).
 
     Args:
         ds_config: a validated DeepSpeed config dict (not modified).
-        rule: "none", "linear" or "sqrt"; None or "none" defers to the JSON block.
-        base_batch_size: the global batch the lr was tuned at (needed with a rule).
 
     Returns:
         A deep copy without `lr_scaling`, with the lrs scaled.
 
     Raises:
-        ValueError: a rule in both places, or a bad rule or batch size.
+        ValueError: a bad rule or batch size.
     """
     out = copy.deepcopy(ds_config)
     block = out.pop("lr_scaling", None)
-    if rule not in (None, "none"):
-        if block:
-            raise ValueError(f"ds_config.lr_scaling: {block!r} is set and so is the recipe's rule {rule!r} "
-                             "(keep one of them)")
-        block = {"rule": rule, "base_batch_size": base_batch_size}
     if not block or block.get("rule", "none") == "none":
         return out
     factor = scale_lr(1.0, block.get("base_batch_size"), out.get("train_batch_size"), block["rule"])

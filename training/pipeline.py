@@ -61,8 +61,9 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from model.config import TransformerConfig
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
-from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, blocks_to_checkpoint,
-                               expert_parallel_rows, init_weights, sequence_length)
+from model.checkpointing import CheckpointPolicy
+from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, expert_parallel_rows,
+                               init_weights, sequence_length)
 
 
 def _load(module: nn.Module, init: dict | None) -> None:
@@ -107,11 +108,12 @@ class BlockPipe(nn.Module):
                  checkpointing: str = "none", init=None):
         super().__init__()
         self.groups = groups
+        policy = CheckpointPolicy.parse(checkpointing)
         block = Block(cfg, layer_idx, groups)
-        block.set_checkpointing(checkpointing)
+        block.set_checkpointing(policy)
         self.layers = nn.ModuleDict({str(layer_idx): block})
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        self.checkpoint_whole = layer_idx in blocks_to_checkpoint(checkpointing, cfg.num_layers)
+        self.checkpoint_whole = layer_idx in policy.whole_blocks(cfg.num_layers)
         self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_idx))   # row in the stats
         self.moe_stats: list = []       # detached MoEAux fields per micro-batch, for the trainer
         init_weights(self, cfg, seed)

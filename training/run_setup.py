@@ -14,56 +14,26 @@ from pathlib import Path
 
 import torch
 
+from training import corpus as corpus_lib
 from training import data as data_lib
 from training import checkpoint, optim, schedules
 from training.hardware import detect_gpu, train_flops_per_token
-from training.recipe import Recipe
+from training.files import atomic_write
+from training.recipe_schema import Recipe
+from training.shard_maps import enable_universal_checkpoint
 from training.tokenization import load_tokenizer
 from training.tracking import MFU_NOTE, Progress, Tracker
 from model import Transformer
 from model.parallel import comm
-from model.parallel.groups import ParallelGroups, build_groups, validate_layout
+from model.parallel.groups import ParallelGroups, build_groups
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".cache"
 
 
 # ----------------------------------------------------------------------------------------------
-# Checks that run before any process group exists or any file is written.
-
-def data_parallel_size(recipe: Recipe, world_size: int) -> int:
-    par = recipe.parallel
-    tp = par.tensor_parallel_size
-    if par.sequence_parallel and recipe.seq_len % tp:
-        raise ValueError(f"data.seq_len ({recipe.seq_len}) is not divisible by "
-                         f"parallel.tensor_parallel_size ({tp}): sequence parallelism splits "
-                         f"every sequence over the tensor-parallel ranks; use a multiple of {tp}")
-    return validate_layout(world_size, par.tensor_parallel_size, par.expert_parallel_size,
-                           par.pipeline_parallel_size)
-
-
-def check_layout(recipe: Recipe, ds: dict) -> None:
-    """Refuse layout/DeepSpeed combinations that cannot work, before anything starts."""
-    par = recipe.parallel
-    micro = ds["train_micro_batch_size_per_gpu"]
-    if micro % par.expert_parallel_size:
-        raise ValueError(
-            f"ds_config.train_micro_batch_size_per_gpu ({micro}) is not divisible by "
-            f"parallel.expert_parallel_size ({par.expert_parallel_size}): expert-parallel ranks "
-            f"split each micro-batch between them; use a multiple of {par.expert_parallel_size}")
-    stage = int(ds.get("zero_optimization", {}).get("stage", 0))
-    half = ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
-    if stage == 0 and half and par.tensor_parallel_size * par.expert_parallel_size > 1:
-        raise ValueError(
-            "ds_config: ZeRO-0 with bf16/fp16 reports a wrong gradient norm (and clips wrongly) "
-            "under tensor/expert parallelism (DeepSpeed's FP16_UnfusedOptimizer skips every "
-            "shard on model-parallel ranks > 0): use ds_configs/zero1.json or higher")
-    pp = par.pipeline_parallel_size
-    if pp > 1 and stage > 1:
-        raise ValueError(f"ds_config: zero_optimization.stage ({stage}) with "
-                         f"parallel.pipeline_parallel_size ({pp}): DeepSpeed's pipeline engine "
-                         f"refuses ZeRO-2/3; use ds_configs/zero1.json or zero0.json")
-
+# Checks that run before any process group exists or any file is written (the layout's:
+# ``Recipe.dims`` and ``ds_config.check_layout``).
 
 def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
     """Apply the JSON's optional lr scaling and fill its "auto" scheduler values from the run
@@ -77,7 +47,7 @@ def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
 
 def check_data_source(recipe: Recipe) -> None:
     """Resolve the data source now, so a missing file fails before anything is written."""
-    data_lib.load_documents(recipe.data.source, recipe.data.text_field)
+    corpus_lib.load_documents(recipe.data.source, recipe.data.text_field)
 
 
 def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:
@@ -191,7 +161,7 @@ def build_tokenizer(recipe: Recipe, run_dir: Path, init_from: Path | None, ctx: 
     path = recipe.tokenizer.path
     if init_from is not None and path is None and (init_from / "tokenizer").is_dir():
         path = str(init_from / "tokenizer")
-    corpus = data_lib.load_corpus(recipe.data.source, recipe.data.text_field,
+    corpus = corpus_lib.load_corpus(recipe.data.source, recipe.data.text_field,
                                   recipe.data.val_fraction, recipe.data.max_bytes)
     vocab = recipe.tokenizer_vocab_size
 
@@ -264,7 +234,7 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
         from training.pipeline import pipeline_ds_config
         mpu, ds = None, pipeline_ds_config(ds)
     if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)
-        checkpoint.enable_universal_checkpoint(model, groups)
+        enable_universal_checkpoint(model, groups)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                       optimizer=client_opt, lr_scheduler=lr_scheduler,
                                       config=ds, mpu=mpu)
@@ -302,9 +272,7 @@ def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) ->
 
 
 def write_config(run_dir: Path, recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) -> None:
-    tmp = run_dir / ".config.json.tmp"
-    tmp.write_text(json.dumps(resolved_config(recipe, ds, ctx, dp_size), indent=2) + "\n")
-    os.replace(tmp, run_dir / "config.json")
+    atomic_write(run_dir / "config.json", json.dumps(resolved_config(recipe, ds, ctx, dp_size), indent=2) + "\n")
 
 
 def build_tracking(recipe: Recipe, run_dir: Path, rank0: bool, start_step: int, ds: dict,

@@ -3,22 +3,27 @@
 DeepSpeed builds `LRRangeTest`, `OneCycle`, `WarmupLR`, `WarmupDecayLR` and `WarmupCosineLR`
 itself (`deepspeed/runtime/lr_schedules.py`). The five schedules here fill the gaps:
 
-    WarmupStepDecayLR       warmup, then x gamma every `step_size` steps
-    WarmupExponentialLR     warmup, then x gamma every step
-    WarmupInverseSqrtLR     warmup, then sqrt(timescale / (timescale + d))
-    WarmupCosineRestartsLR  warmup, then cosine cycles (SGDR) of growing length
-    WarmupStableDecayLR     warmup, constant, then linear / cosine / 1-sqrt decay (WSD)
+    WarmupStepDecayLR       warmup, then x gamma every `step_size` steps (torch's StepLR)
+    WarmupExponentialLR     warmup, then x gamma every step (torch's ExponentialLR)
+    WarmupInverseSqrtLR     warmup, then sqrt(timescale / (timescale + d)) (transformers')
+    WarmupCosineRestartsLR  warmup, then cosine cycles (SGDR) of growing length and height
+    WarmupStableDecayLR     warmup, constant, then linear / cosine / 1-sqrt decay (transformers'
+                            WSD)
 
-All of them are `torch.optim.lr_scheduler.LambdaLR` over one multiplier of each param group's
-base lr, and share one step convention. `s` counts completed optimizer steps (LambdaLR's
-`last_epoch`), so step `s` is the lr used by update `s + 1`; `T` is the run length; `W` the
-warmup length:
+All of them are a `torch.optim.lr_scheduler.LambdaLR` over one multiplier of each param group's
+base lr: our warmup, then the shape after the peak, taken from transformers where it has the
+same one (`get_inverse_sqrt_schedule`, `get_wsd_schedule`) and floored at `min_ratio`. Cosine
+cycles whose length grows by a real factor and whose height decays exist in no library, nor do
+step and exponential decay with a floor (so those two are their one-line closed forms).
+
+One step convention for all: `s` counts completed optimizer steps (LambdaLR's `last_epoch`), so
+step `s` is the lr used by update `s + 1`; `T` is the run length; `W` the warmup length:
 
     warmup (s < W):  ratio = warmup_min_ratio + (1 - warmup_min_ratio) * (s + 1) / W
     peak step:       P = max(W, 1) - 1, the first step at ratio 1; d = s - P after it
 
-so no update is spent at lr 0 (DeepSpeed's own warmups spend their first update at lr 0), and a
-decay that ends "at the end of training" reaches its floor at the last step, s = T - 1.
+so no update is spent at lr 0 (DeepSpeed's and transformers' warmups spend their first update at
+lr 0), and a decay that ends "at the end of training" reaches its floor at the last step, s = T - 1.
 
 The trainer's flow: `resolve_auto` (fill "auto"), `split_scheduler` (take ours out of the JSON
 before `deepspeed.initialize`), then pass `lr_scheduler=lambda opt: build_scheduler(cfg, opt, T)`;
@@ -33,6 +38,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+from transformers import get_inverse_sqrt_schedule, get_wsd_schedule
+
+from model.config import is_int
 
 OUR_SCHEDULERS = (
     "WarmupStepDecayLR",
@@ -76,7 +84,7 @@ def _err(key: str, value: Any, problem: str, fix: str) -> ValueError:
 
 def _int(params: dict, key: str, low: int) -> int:
     value = params[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value, low):
         raise _err(key, value, f"must be an integer >= {low}", f'set an integer >= {low} or "auto"')
     return value
 
@@ -112,33 +120,40 @@ def _resolve_ours(sched_type: str, params: dict, total_steps: Optional[int]) -> 
     for key, value in out.items():
         if value is _REQUIRED:
             raise _err(key, None, f"is required by {sched_type}", "set it in scheduler.params")
+    _check_ranges(sched_type, out)
+    return out if total_steps is None else _fill_auto(sched_type, out, total_steps)
 
-    if out["total_num_steps"] != AUTO:
-        _int(out, "total_num_steps", 1)
-    if out["warmup_num_steps"] != AUTO:
-        _int(out, "warmup_num_steps", 0)
-    _float(out, "warmup_min_ratio", 0.0, 1.0)
-    _float(out, "min_ratio", 0.0, 1.0)
+
+def _check_ranges(sched_type: str, p: dict) -> None:
+    """Every param of ours in its range ("auto" allowed where it has a meaning)."""
+    if p["total_num_steps"] != AUTO:
+        _int(p, "total_num_steps", 1)
+    if p["warmup_num_steps"] != AUTO:
+        _int(p, "warmup_num_steps", 0)
+    _float(p, "warmup_min_ratio", 0.0, 1.0)
+    _float(p, "min_ratio", 0.0, 1.0)
     if sched_type == "WarmupStepDecayLR":
-        _int(out, "step_size", 1)
+        _int(p, "step_size", 1)
     if sched_type in ("WarmupStepDecayLR", "WarmupExponentialLR"):
-        _float(out, "gamma", 0.0, 1.0, low_open=True)
-    if sched_type == "WarmupInverseSqrtLR" and out["timescale"] != AUTO:
-        _int(out, "timescale", 1)
+        _float(p, "gamma", 0.0, 1.0, low_open=True)
+    if sched_type == "WarmupInverseSqrtLR" and p["timescale"] != AUTO:
+        _int(p, "timescale", 1)
     if sched_type == "WarmupCosineRestartsLR":
-        if out["cycle_num_steps"] != AUTO:
-            _int(out, "cycle_num_steps", 1)
-        _float(out, "cycle_mult", 1.0, 1e6)
-        _float(out, "cycle_decay", 0.0, 1.0, low_open=True)
+        if p["cycle_num_steps"] != AUTO:
+            _int(p, "cycle_num_steps", 1)
+        _float(p, "cycle_mult", 1.0, 1e6)
+        _float(p, "cycle_decay", 0.0, 1.0, low_open=True)
     if sched_type == "WarmupStableDecayLR":
-        _float(out, "decay_fraction", 0.0, 1.0)
-        if out["decay_num_steps"] is not None:
-            _int(out, "decay_num_steps", 0)
-        if out["decay_type"] not in _DECAY_TYPES:
-            raise _err("decay_type", out["decay_type"], "is not a decay type", f"use one of {list(_DECAY_TYPES)}")
+        _float(p, "decay_fraction", 0.0, 1.0)
+        if p["decay_num_steps"] is not None:
+            _int(p, "decay_num_steps", 0)
+        if p["decay_type"] not in _DECAY_TYPES:
+            raise _err("decay_type", p["decay_type"], "is not a decay type", f"use one of {list(_DECAY_TYPES)}")
 
-    if total_steps is None:
-        return out
+
+def _fill_auto(sched_type: str, p: dict, total_steps: int) -> dict:
+    """Replace "auto" (and the WSD decay length) with values from the run length."""
+    out = dict(p)
     if out["total_num_steps"] == AUTO:
         out["total_num_steps"] = total_steps
     T = out["total_num_steps"]
@@ -182,6 +197,41 @@ def _our_type(sched_cfg: dict) -> str:
     return sched_type
 
 
+def _library_multiplier(factory: Callable, **kwargs) -> Callable[[int], float]:
+    """The multiplier function of a transformers schedule (built on a throwaway optimizer)."""
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return factory(dummy, **kwargs).lr_lambdas[0]
+
+
+def _after_peak(sched_type: str, p: dict) -> Callable[[int], float]:
+    """The multiplier at `d` steps after the peak step P (d = 0 is the peak, ratio 1)."""
+    floor = p["min_ratio"]
+    if sched_type == "WarmupStepDecayLR":
+        return lambda d: max(floor, p["gamma"] ** (d // p["step_size"]))
+    if sched_type == "WarmupExponentialLR":
+        return lambda d: max(floor, p["gamma"] ** d)
+    if sched_type == "WarmupInverseSqrtLR":
+        # transformers': 1 / sqrt((step + timescale - warmup) / timescale), counted from the peak.
+        inverse_sqrt = _library_multiplier(get_inverse_sqrt_schedule, num_warmup_steps=0,
+                                           timescale=p["timescale"])
+        return lambda d: max(floor, inverse_sqrt(d))
+    if sched_type == "WarmupCosineRestartsLR":
+        def restarts(d: int) -> float:
+            index, t, length = _cycle_position(d, p["cycle_num_steps"], p["cycle_mult"])
+            top = p["cycle_decay"] ** index
+            return floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * t / length))
+        return restarts
+    # WarmupStableDecayLR: decay over the last D steps, reaching the floor at s = T - 1.
+    # transformers' WSD counts the step of an update from 1 (ours from 0), hence s + 1.
+    T, W, D = p["total_num_steps"], p["warmup_num_steps"], p["decay_num_steps"]
+    if D == 0:
+        return lambda d: 1.0
+    peak = max(W, 1) - 1
+    wsd = _library_multiplier(get_wsd_schedule, num_warmup_steps=W, num_stable_steps=T - W - D,
+                              num_decay_steps=D, decay_type=p["decay_type"], min_lr_ratio=floor)
+    return lambda d: wsd(d + peak + 1)
+
+
 def lr_multiplier(sched_cfg: dict, total_steps: int) -> Callable[[int], float]:
     """The multiplier of the base lr at each step, as a pure function of the step.
 
@@ -197,35 +247,9 @@ def lr_multiplier(sched_cfg: dict, total_steps: int) -> Callable[[int], float]:
     """
     sched_type = _our_type(sched_cfg)
     p = _resolve_ours(sched_type, sched_cfg.get("params") or {}, total_steps)
-    T, W = p["total_num_steps"], p["warmup_num_steps"]
-    wmin, floor = p["warmup_min_ratio"], p["min_ratio"]
+    W, wmin = p["warmup_num_steps"], p["warmup_min_ratio"]
     peak = max(W, 1) - 1
-
-    def after_peak(d: int) -> float:
-        if sched_type == "WarmupStepDecayLR":
-            return max(floor, p["gamma"] ** (d // p["step_size"]))
-        if sched_type == "WarmupExponentialLR":
-            return max(floor, p["gamma"] ** d)
-        if sched_type == "WarmupInverseSqrtLR":
-            tau = p["timescale"]
-            return max(floor, math.sqrt(tau / (tau + d)))
-        if sched_type == "WarmupCosineRestartsLR":
-            index, t, length = _cycle_position(d, p["cycle_num_steps"], p["cycle_mult"])
-            top = p["cycle_decay"] ** index
-            return floor + (top - floor) * 0.5 * (1.0 + math.cos(math.pi * t / length))
-        # WarmupStableDecayLR: decay over the last D steps, reaching the floor at s = T - 1.
-        D = p["decay_num_steps"]
-        s = d + peak
-        if D == 0 or s < T - D:
-            return 1.0
-        frac = min(1.0, (s - (T - D) + 1) / D)
-        if p["decay_type"] == "linear":
-            shape = 1.0 - frac
-        elif p["decay_type"] == "cosine":
-            shape = 0.5 * (1.0 + math.cos(math.pi * frac))
-        else:
-            shape = 1.0 - math.sqrt(frac)
-        return floor + (1.0 - floor) * shape
+    after_peak = _after_peak(sched_type, p)
 
     def multiplier(s: int) -> float:
         if s < W:
@@ -323,7 +347,7 @@ def resolve_auto(ds_config: dict, total_steps: int) -> dict:
     Raises:
         ValueError: "auto" where it has no meaning, or a bad parameter of ours.
     """
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+    if not is_int(total_steps, 1):
         raise ValueError(f"total_steps: {total_steps!r} must be an integer >= 1 (pass the run length)")
     out = copy.deepcopy(ds_config)
     sched = out.get("scheduler")

@@ -193,6 +193,15 @@ def load_tokenizer(
     if (final / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(final), local_files_only=True)
 
+    _train_and_publish(texts, vocab_size, min_frequency, final, key)
+    # Reload from disk so a fresh run and a cached run return exactly the same object type/state.
+    return AutoTokenizer.from_pretrained(str(final), local_files_only=True)
+
+
+def _train_and_publish(texts: list[str], vocab_size: int, min_frequency: int, final: Path,
+                       key: str) -> None:
+    """Train the BPE and publish it at ``final`` atomically: a complete folder renamed into
+    place, so concurrent ranks never read a partial one."""
     num_bytes = sum(len(t.encode()) for t in texts)
     logger.info(
         "training byte-level BPE (vocab %d) on %d documents, %.1f MB", vocab_size, len(texts), num_bytes / 1e6
@@ -202,9 +211,9 @@ def load_tokenizer(
     seconds = time.perf_counter() - start
     logger.info("trained tokenizer (%d tokens) in %.1f s; caching it in %s", len(tokenizer), seconds, final)
 
-    root.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
     # Same directory as the target, so the rename below is atomic (same filesystem).
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         tokenizer.save_pretrained(str(tmp))
         meta = {
@@ -226,5 +235,3 @@ def load_tokenizer(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    # Reload from disk so a fresh run and a cached run return exactly the same object type/state.
-    return AutoTokenizer.from_pretrained(str(final), local_files_only=True)

@@ -2,7 +2,7 @@
 
 Every ``torch.distributed`` call of the repo lives in ``model/parallel/``; process groups are passed
 explicitly, and ``None`` means a group of one rank: no communication (``ParallelGroups`` holds
-``None`` for every size-1 group). ``barrier`` and ``broadcast_object`` span the whole job.
+``None`` for every size-1 group). ``barrier`` spans the whole job.
 """
 
 from __future__ import annotations
@@ -27,26 +27,10 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def all_reduce_max(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Element-wise max of ``t`` over ``group`` in place and return it."""
-    if _active(group):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t
-
-
 def barrier() -> None:
     """Wait for every rank of the job."""
     if _world():
         dist.barrier()
-
-
-def broadcast_object(obj, src: int = 0):
-    """Return global rank ``src``'s ``obj`` on every rank of the job."""
-    if not _world():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def all_to_all_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
@@ -90,22 +74,6 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    """Forward: concatenate the ranks' shards along the last dim. Backward: keep our shard."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
 def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -214,11 +182,6 @@ def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
 def reduce_from_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over ``group`` forward, identity backward (e.g. a row-parallel output)."""
     return _ReduceFromRegion.apply(x, group) if _active(group) else x
-
-
-def gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather shards along the last dim forward; slice our shard backward."""
-    return _GatherLastDim.apply(x, group) if _active(group) else x
 
 
 def gather_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:

@@ -30,24 +30,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-
-def _check(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"parallel.{name} ({value!r}) must be a positive integer")
-
-
-def validate_layout(world_size: int, tp: int, ep: int, pp: int) -> int:
-    """Check the degrees against the world size; return the data-parallel size."""
-    for name, v in (("tensor_parallel_size", tp), ("expert_parallel_size", ep),
-                    ("pipeline_parallel_size", pp)):
-        _check(name, v)
-    model = tp * ep * pp
-    if world_size % model:
-        raise ValueError(
-            f"world size ({world_size}) is not divisible by tensor_parallel_size x "
-            f"expert_parallel_size x pipeline_parallel_size ({tp} x {ep} x {pp} = {model}): "
-            f"launch a multiple of {model} processes or change the parallel sizes")
-    return world_size // model
+from model.parallel.dims import ParallelDims
 
 
 @dataclass
@@ -125,17 +108,18 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = 
                  sequence_parallel: bool = False) -> ParallelGroups:
     """Create every group on every rank (``new_group`` is collective) and keep this rank's.
 
-    Communicates over the default group. With one process, returns all-``None`` groups.
+    Communicates over the default group. With one process, returns all-``None`` groups. The
+    degrees are checked by ``ParallelDims`` (``model/parallel/dims.py``).
     ``sequence_parallel`` takes effect only with tp > 1 (see ``model/parallel/layers.py``).
     """
     if expert_placement not in ("contiguous", "round_robin"):
         raise ValueError(f"parallel.expert_placement ({expert_placement!r}) must be "
                          f"contiguous or round_robin")
     if not (dist.is_available() and dist.is_initialized()):
-        validate_layout(1, tp, ep, pp)
+        ParallelDims(tp, ep, pp, world_size=1)
         return ParallelGroups(expert_placement=expert_placement)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = validate_layout(world, tp, ep, pp)
+    dp = ParallelDims(tp, ep, pp, sequence_parallel, world_size=world).dp
 
     def coords(r: int) -> dict:
         return {"tp": r % tp, "ep": r // tp % ep, "dp": r // (tp * ep) % dp,

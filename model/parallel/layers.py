@@ -22,8 +22,6 @@ their weight gradient over tp.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -286,12 +284,7 @@ def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]
     return list(range(num_kv_heads)), rank * num_kv_heads // tp
 
 
-def local_size(total: int, groups) -> int:
-    g = groups or ParallelGroups()
-    return total // g.tp
-
-
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "check_tp_divides", "column_parallel_linears", "cross_entropy_sum", "enter_tp_region",
-           "even_slice", "init_from_full", "kv_heads_for_rank", "leave_tp_region", "local_size",
+           "even_slice", "init_from_full", "kv_heads_for_rank", "leave_tp_region",
            "replicated", "shard_param", "take_shard"]

@@ -100,8 +100,8 @@ def test_import_matches_transformers(tmp_path, kind, tie):
     assert cfg.family == {"llama": "dense", "mixtral": "mixtral"}[kind]
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.tie_embeddings) == (4, 2, tie)   # GQA: 2 q per kv
     assert (cfg.rope_theta, cfg.norm_eps) == (5e5, 1e-6)
-    if kind == "mixtral":
-        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.aux_loss_coef) == (8, 2, 0.02)
+    if kind == "mixtral":     # HF's coefficient 0.02 weighs a loss top_k = 2 times ours
+        assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.aux_loss_coef) == (8, 2, 0.04)
         assert cfg.moe.capacity_factor is None and cfg.moe.normalize_top_k
     assert all(t.is_contiguous() for t in sd.values())
     ours = Transformer(cfg)
@@ -153,6 +153,28 @@ def test_export_then_import_is_identity(tmp_path, monkeypatch, name):
     assert sd.keys() == sd2.keys()
     for k, v in sd.items():
         assert torch.equal(v, sd2[k]), k
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+def test_aux_loss_coef_gives_the_same_weighted_loss(top_k):
+    """transformers' Mixtral load-balancing loss is top_k times ours (top_k vs 1.0 at balance):
+    the exported coefficient times HF's loss equals ours times our loss, on the same router
+    logits, and the import maps it back."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from model.moe.losses import load_balancing_loss
+    from model.moe.router import route
+
+    cfg = OurMixtralConfig(**TINY, moe=MoEConfig(num_experts=8, top_k=top_k, aux_loss_coef=0.02)).validate()
+    g = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(64, 64, generator=g), torch.randn(8, 64, generator=g)   # (T, H), (E, H)
+    r = route(x, gate, top_k, normalize=True)
+    counts = torch.bincount(r.expert_idx.flatten(), minlength=8)                  # (E,)
+    ours = cfg.moe.aux_loss_coef * load_balancing_loss(r.probs, counts, top_k)
+    hf_config = hf_interop.to_hf_config(cfg)
+    theirs = hf_config.router_aux_loss_coef * load_balancing_loss_func((r.logits,), 8, top_k)
+    torch.testing.assert_close(theirs, ours, rtol=1e-6, atol=0)
+    assert hf_interop.from_hf_config(hf_config).moe.aux_loss_coef == pytest.approx(0.02, rel=1e-15)
 
 
 def test_state_dict_conversion_is_exact_inverse():
@@ -289,3 +311,20 @@ def test_export_refuses_to_overwrite(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     assert convert_hf.main(args + ["--force"]) == 0
     assert (out / "model.safetensors").is_file()
+
+
+def test_sharded_checkpoint_imports_and_a_missing_shard_is_one_line(tmp_path, capsys):
+    hf_model = _hf_tiny("mixtral", tie=False)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert convert_hf.main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "init")]) == 0
+    cfg, sd, _ = hf_interop.load_init_dir(tmp_path / "init")
+    ours = Transformer(cfg)
+    ours.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        assert (ours.eval()(_ids()).logits - hf_model(_ids()).logits).abs().max().item() <= TOL
+    shards[1].unlink()
+    assert convert_hf.main(["import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "o")]) == 2
+    line = _error_line(capsys)
+    assert "--hf" in line and shards[1].name in line and not (tmp_path / "o").exists()

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from model import DenseConfig, MixtralConfig, SwitchConfig, Transformer
+from model.checkpointing import CheckpointPolicy
 from model.config import MoEConfig, config_from_dict
 
 SIZES = dict(vocab_size=96, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -55,6 +56,17 @@ def test_activation_checkpointing_gives_identical_gradients(policy):
         ck.set_activation_checkpointing("sometimes")
 
 
+def test_checkpoint_policy_is_parsed_in_one_place():
+    parse = CheckpointPolicy.parse
+    assert parse("every_k:3").whole_blocks(7) == {0, 3, 6} and str(parse("every_k:3")) == "every_k:3"
+    assert parse("full").whole_blocks(2) == {0, 1} and parse("moe").whole_blocks(2) == set()
+    with pytest.raises(ValueError, match=r"\('every_k:0'\) is not one of .* with k >= 1"):
+        parse("every_k:0")
+    assert parse("every_k:5").problems(4, has_moe=True) == [
+        "train.activation_checkpointing (every_k:5) exceeds model.num_layers (4): choose k <= 4"]
+    assert "needs MoE layers" in parse("experts").problems(4, has_moe=False)[0]
+
+
 def test_tied_embeddings_share_one_matrix():
     cfg = DenseConfig(**{**SIZES, "tie_embeddings": True}).validate()
     model = Transformer(cfg)
@@ -68,7 +80,7 @@ def test_tied_embeddings_share_one_matrix():
 @pytest.mark.parametrize("change, message", [
     (dict(num_heads=5), r"model\.hidden_size \(32\) is not divisible by model\.num_heads \(5\)"),
     (dict(num_kv_heads=3), r"model\.num_heads \(4\) is not divisible by model\.num_kv_heads \(3\)"),
-    (dict(vocab_size=0), r"model\.vocab_size \(0\) must be a positive integer"),
+    (dict(vocab_size=0), r"model\.vocab_size \(0\) must be an integer >= 1"),
     (dict(moe=MoEConfig(num_experts=2, top_k=3)), r"model\.moe\.top_k \(3\) exceeds model\.moe\.num_experts \(2\)"),
     (dict(moe=MoEConfig(capacity_factor=-1.0)), r"model\.moe\.capacity_factor \(-1\.0\) must be > 0"),
 ])

@@ -130,7 +130,7 @@ def test_model_parallel_change_resumes_exactly(base, source, target, tmp_path):
 @pytest.mark.parametrize("tp, ep, placement", [(2, 1, "contiguous"), (1, 2, "contiguous"),
                                                 (2, 2, "round_robin"), (4, 1, "contiguous")])
 def test_shard_maps_cut_and_merge_every_parameter_like_its_shard_spec(tp, ep, placement):
-    from training.checkpoint import shard_maps
+    from training.shard_maps import shard_maps
     from model import Transformer
     from model.parallel.groups import ParallelGroups
     from model.parallel.layers import take_shard

@@ -1,4 +1,5 @@
-"""Tests for training/data.py and training/tokenization.py: corpus, split, packing, sampling, caches.
+"""Tests for training/corpus.py, training/data.py and training/tokenization.py: corpus, split,
+packing, sampling, caches.
 
 Small corpora (a ~200 KB slice of the stdlib, a few synthetic documents) keep this file fast.
 """
@@ -13,21 +14,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from training.data import (
-    IGNORE_INDEX,
-    BatchLayout,
+from training.corpus import (
     Document,
-    PackedSampler,
     cap_documents,
-    encode_texts,
     load_corpus,
     load_documents,
     split_documents,
     stdlib_corpus_files,
     stdlib_documents,
-    tokenize_documents,
-    validation_batches,
 )
+from training.data import IGNORE_INDEX, BatchLayout, PackedSampler, encode_texts, tokenize_documents, validation_batches
 from training.tokenization import EOS_TOKEN, load_tokenizer, tokenizer_fingerprint
 
 SMALL_BYTES = 200_000
@@ -269,19 +265,26 @@ def test_epochs_reshuffle_and_cover_everything(train_tokens):
     assert not np.array_equal(first, second)
 
 
+def _next_batches(sampler: PackedSampler):
+    """One step as the trainer takes it: the step's batches, then the step counter."""
+    batches = sampler.batches_for_step(sampler.step)
+    sampler.step += 1
+    return batches
+
+
 def test_resume_continues_identically(train_tokens):
     layout = BatchLayout(6, 3, dp_size=2, dp_rank=1)
     straight = PackedSampler(train_tokens, 16, layout, seed=5)
-    expected = [straight.next_batches() for _ in range(8)]
+    expected = [_next_batches(straight) for _ in range(8)]
     first = PackedSampler(train_tokens, 16, layout, seed=5)
     for _ in range(3):
-        first.next_batches()
+        _next_batches(first)
     state = json.loads(json.dumps(first.state_dict()))  # survives a JSON/pickle trip
     assert state["step"] == 3
     resumed = PackedSampler(train_tokens, 16, layout, seed=5)
     resumed.load_state_dict(state)
     for want in expected[3:]:
-        got = resumed.next_batches()
+        got = _next_batches(resumed)
         assert all(torch.equal(a, b) for pair_a, pair_b in zip(got, want) for a, b in zip(pair_a, pair_b))
     with pytest.raises(ValueError, match="seed=5"):
         PackedSampler(train_tokens, 16, layout, seed=6).load_state_dict(state)

@@ -11,7 +11,6 @@ import copy
 import inspect
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed import free_port
 from training import ds_config as dsc
 from training.optim import apply_lr_scaling, maybe_build_client_optimizer
 from training.schedules import DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, build_scheduler, resolve_auto, split_scheduler
@@ -268,16 +268,10 @@ print("RESULT", json.dumps([type(engine.basic_optimizer).__name__, type(engine.l
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_deepspeed_initialize_with_client_lamb_and_our_scheduler():
     """deepspeed.initialize takes our CPU Lamb (zero0_lamb.json) and our WSD scheduler (zero2_wsd.json)."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
     # The first DeepSpeed launch on a machine JIT-builds its CPU shared-memory comm op (~40 s).
     result = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, str(REPO)], env=env, capture_output=True,
                             text=True, timeout=600)

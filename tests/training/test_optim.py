@@ -141,10 +141,8 @@ def test_apply_lr_scaling():
     assert out["scheduler"]["params"] == pytest.approx({"warmup_min_lr": 2e-5, "warmup_max_lr": 2e-3})
     del cfg["lr_scaling"]
     assert apply_lr_scaling(cfg) == cfg  # no rule: unchanged
-    from_recipe = apply_lr_scaling(cfg, "linear", 128)
-    assert from_recipe["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
-    with pytest.raises(ValueError, match="keep one"):
-        apply_lr_scaling({**cfg, "lr_scaling": {"rule": "sqrt", "base_batch_size": 64}}, "linear", 128)
+    linear = apply_lr_scaling({**cfg, "lr_scaling": {"rule": "linear", "base_batch_size": 128}})
+    assert linear["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
 
 
 def test_maybe_build_client_optimizer():

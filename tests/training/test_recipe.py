@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from training import recipe as recipe_mod
+from training import recipe_schema
 from training.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, recipe_from_dict
 from model.config import DenseConfig, MixtralConfig, SwitchConfig
 
@@ -133,7 +133,7 @@ def test_overrides_int_float_bool_null_list_choice():
     assert r.model.rope_theta == 500000.0 and isinstance(r.model.rope_theta, float)
     assert r.tracking.wandb is True and r.model.moe.capacity_factor is None
     assert r.data.seq_len is None and r.seq_len == 128
-    assert r.tracking.tags == ("a", "b") and r.train.checkpoint_every_k == 2
+    assert r.tracking.tags == ("a", "b") and r.train.checkpointing.every_k == 2
     assert r.model.moe.z_loss_coef == 1e-4  # YAML 1.1 reads 1e-4 as a string; floats accept it
     assert r.data.source == ("corpus/*.txt",)
     # Untouched moe keys keep the recipe's values.
@@ -260,7 +260,7 @@ def test_unknown_key_and_missing_family_in_a_file(tmp_path):
 
 
 def test_every_dataclass_field_has_a_one_line_docstring():
-    tree = ast.parse(Path(recipe_mod.__file__).read_text())
+    tree = ast.parse(Path(recipe_schema.__file__).read_text())
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         body = cls.body
         for i, stmt in enumerate(body):

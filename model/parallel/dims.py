@@ -1,0 +1,110 @@
+"""The parallel layout's degrees, validated once, up front (torchtitan's ``ParallelDims``).
+
+    dims = ParallelDims(tp=2, ep=4, pp=1, sp=True, world_size=64, model=cfg, seq_len=4096)
+    dims.dp                                    # 8: the ranks left for data parallelism
+
+Every check of a degree lives here: the recipe (``training/recipe_schema.py``), the process groups
+(``model/parallel/groups.py``), the memory planner and the out-of-memory ladder all build one. The
+checks that also need the DeepSpeed JSON (micro-batch vs ep, ZeRO stage vs pipelines) are
+``training.ds_config.check_layout``. Plain Python: this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import TransformerConfig, is_int
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Tensor-, expert-, pipeline-parallel degrees and sequence parallelism of one job.
+
+    Construction raises ``ValueError`` naming the field, the value and the fix for the first
+    problem (``problems`` lists them all). ``world_size``, ``model`` and ``seq_len`` are optional:
+    without them the checks that need them are skipped (a recipe is checked before the world size
+    is known).
+    """
+
+    tp: int = 1
+    """Tensor-parallel degree (``parallel.tensor_parallel_size``)."""
+    ep: int = 1
+    """Expert-parallel degree (``parallel.expert_parallel_size``)."""
+    pp: int = 1
+    """Pipeline stages (``parallel.pipeline_parallel_size``)."""
+    sp: bool = False
+    """Sequence parallelism over the tp ranks (``parallel.sequence_parallel``)."""
+    world_size: int | None = None
+    """Processes in the job; data parallelism takes what tp x ep x pp leaves."""
+    model: TransformerConfig | None = None
+    """The model the degrees must divide."""
+    seq_len: int | None = None
+    """Tokens per sample, split over tp under sequence parallelism."""
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError(problems[0])
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ``world_size / (tp * ep * pp)``."""
+        assert self.world_size is not None, "ParallelDims built without a world size"
+        return self.world_size // (self.tp * self.ep * self.pp)
+
+    def problems(self) -> list[str]:
+        """Every problem of this layout, one line each, first the degrees themselves."""
+        degrees = (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep),
+                   ("pipeline_parallel_size", self.pp))
+        out = [f"parallel.{name} ({value!r}) must be an integer >= 1"
+               for name, value in degrees if not is_int(value, 1)]
+        if self.world_size is not None and not is_int(self.world_size, 1):
+            out.append(f"world size ({self.world_size!r}) must be an integer >= 1")
+        if out:
+            return out
+        if self.model is not None:
+            out += _model_problems(self.model, self.tp, self.ep, self.pp)
+        if self.sp and self.seq_len is not None and self.seq_len % self.tp:
+            out.append(f"data.seq_len ({self.seq_len}) is not divisible by "
+                       f"parallel.tensor_parallel_size ({self.tp}): sequence parallelism splits "
+                       f"every sequence over the tensor-parallel ranks; use a multiple of {self.tp}")
+        model = self.tp * self.ep * self.pp
+        if self.world_size is not None and self.world_size % model:
+            out.append(f"world size ({self.world_size}) is not divisible by tensor_parallel_size x "
+                       f"expert_parallel_size x pipeline_parallel_size ({self.tp} x {self.ep} x "
+                       f"{self.pp} = {model}): launch a multiple of {model} processes (GPUs) or "
+                       f"change the parallel sizes")
+        return out
+
+
+def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str]:
+    """What the degrees must divide in the model: heads, kv heads, FFN, vocabulary, experts;
+    the pipeline needs a block per stage."""
+    out = []
+    heads, kv = m.num_heads, m.num_kv_heads
+    if heads % tp:
+        out.append(f"parallel.tensor_parallel_size ({tp}) does not divide model.num_heads "
+                   f"({heads}): choose a divisor of {heads}")
+    # KV heads are split over TP when tp divides them and replicated when they divide tp (GQA
+    # with fewer KV heads than TP ranks, as Megatron does); anything else leaves ranks unequal.
+    if kv % tp and tp % kv:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+        out.append(f"parallel.tensor_parallel_size ({tp}) and model.num_kv_heads ({kv}) must "
+                   f"divide one another (KV heads are split or replicated): choose "
+                   f"tensor_parallel_size in {ok}")
+    for name in ("ffn_hidden_size", "vocab_size"):
+        size = getattr(m, name)
+        if size % tp:
+            out.append(f"parallel.tensor_parallel_size ({tp}) does not divide model.{name} "
+                       f"({size}): choose a divisor of {size}")
+    if m.moe is None and ep != 1:
+        out.append(f"parallel.expert_parallel_size ({ep}) must be 1 for model.family {m.family} "
+                   f"(no experts): set it to 1 or choose switch or mixtral")
+    if m.moe is not None and m.moe.num_experts % ep:
+        n = m.moe.num_experts
+        out.append(f"parallel.expert_parallel_size ({ep}) does not divide model.moe.num_experts "
+                   f"({n}): choose a divisor of {n}")
+    if pp > m.num_layers:
+        out.append(f"parallel.pipeline_parallel_size ({pp}) exceeds model.num_layers "
+                   f"({m.num_layers}): choose at most {m.num_layers}")
+    return out
