@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU check in one short run (DESIGN.md section 7), for a one-H200 session of minutes:
+# The whole GPU check in one short run, for a one-H200 session of minutes:
 #   1. the GPU-marked tests;
 #   2. 40 bf16 steps of recipes/dense_1p3b.yaml and of recipes/gpu_mixtral_1b_active.yaml (same
-#      active FLOPs per token) on one GPU: tokens/s, MFU, peak memory, next to the estimator;
+#      active FLOPs per token) on one GPU, both on the same local corpus (Python's standard
+#      library: the device machine has no network and dense_1p3b's data path is a placeholder):
+#      tokens/s, MFU, peak memory, next to the estimator;
 #   3. the MoE layer benchmark against transformers (bf16, cuda);
 #   4. 30 fp16 steps with dynamic loss scaling (ds_configs/fp16.json);
 #   5. an NCCL all-reduce/all-to-all check on the GPU (one rank per GPU present).
@@ -16,9 +18,11 @@ OUT=${OUT:-gpu_out}; STEPS=${1:-40}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true WANDB_MODE=disabled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python -m pytest -q -m gpu tests 2>&1 | tail -5 | tee "$OUT/gpu_tests.txt"
+DATA=(data.source=stdlib data.max_bytes=32000000 tokenizer.train_bytes=8000000)
 for recipe in dense_1p3b gpu_mixtral_1b_active; do
+  mkdir -p "$OUT/runs/$recipe"
   python launch/train.py --config ds_configs/zero1.json --recipe "recipes/$recipe.yaml" \
-    --steps "$STEPS" --run-dir "$OUT/runs/$recipe" --set train.log_every=10 eval.every=0 \
+    --steps "$STEPS" --run-dir "$OUT/runs/$recipe" --set train.log_every=10 eval.every=0 "${DATA[@]}" \
     2>&1 | grep -v Warning | tail -6
   python launch/estimate_memory.py --recipe "recipes/$recipe.yaml" --config ds_configs/zero1.json \
     --gpus 1 --gpu h200-141gb --json > "$OUT/runs/$recipe/estimate.json"

@@ -70,10 +70,11 @@ def prepare(args: argparse.Namespace) -> Plan:
         overrides.append(f"train.steps={args.steps}")
     recipe = load_recipe(args.recipe, overrides)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    dp_size = run_setup.data_parallel_size(recipe, world_size)
+    dims = recipe.dims(world_size)                     # the layout against the world size
+    dp_size = dims.dp
     ds = ds_config.validate_ds_config(ds_config.load_ds_config(args.config), dp_size)
     ds = run_setup.resolve_ds_config(ds, recipe)
-    run_setup.check_layout(recipe, ds)
+    ds_config.check_layout(ds, dims)
     run_setup.check_data_source(recipe)
     init_from = run_setup.check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
@@ -81,9 +82,10 @@ def prepare(args: argparse.Namespace) -> Plan:
     return Plan(recipe, ds, run_dir, world_size, dp_size, init_from)
 
 
-def train(plan: Plan) -> int:
+def train(plan: Plan, where: stepping.StepContext) -> int:
+    """The run; ``where`` is kept current for the out-of-memory report (``planning/oom.py``)."""
     recipe, tcfg = plan.recipe, plan.recipe.train
-    ctx = run_setup.init_distributed(recipe)           # process groups (gloo on CPU, NCCL on GPU)
+    ctx = where.dist = run_setup.init_distributed(recipe)   # process groups (gloo on CPU, NCCL on GPU)
     oom.record_memory_history(tcfg.memory_snapshot, ctx.device)   # GPU, when asked
     rank0 = ctx.rank == 0
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
@@ -92,10 +94,11 @@ def train(plan: Plan) -> int:
     tokenizer, corpus = run_setup.build_tokenizer(recipe, run_dir, plan.init_from, ctx)
     sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
 
-    model = run_setup.build_model(recipe, plan.init_from, ctx.groups)
-    engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
+    model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups)
+    engine = where.engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
 
     start_step, monitor_state = 0, None
+    where.phase = "checkpoint load"
     client = checkpoint.load(engine, ckpt_dir)
     if client is not None:                             # resume: same data order, same RNG seeds
         start_step = client["step"]
@@ -103,10 +106,10 @@ def train(plan: Plan) -> int:
         monitor_state = client["monitor"]
         if rank0:
             print(f"resumed from {ckpt_dir / checkpoint.tag_for_step(start_step)}", flush=True)
+    where.phase = "start-up"
     if rank0:           # after the load: a refused resume must not overwrite the recorded layout
         run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
-    stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, tokens_per_step=(
-        plan.ds["train_batch_size"] * recipe.seq_len), monitor_state=monitor_state)
+    stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
                                                  plan.ds, ctx, plan.dp_size)
 
@@ -114,23 +117,30 @@ def train(plan: Plan) -> int:
         # Per-step seeding makes every RNG stream (router jitter, ...) a function of
         # (seed, step, rank), so a resumed run draws exactly what an uninterrupted one would.
         torch.manual_seed(tcfg.seed * 1_000_003 + step * 7919 + ctx.rank)
+        where.step, where.micro_batch, where.phase = step, None, "reading the step's batches"
         row, extra = stepper.train_step(step, sampler.batches_for_step(step - 1))
         sampler.step = step
         tracker.log(row, extra)
         progress.update(row)
-        if row.get("stopped"):
-            if rank0:
-                print(f"stopping at step {step}: {row['stopped']}", file=sys.stderr, flush=True)
-            break
-        if recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
+        # spike_action "stop": the spiking step was skipped (no weight changed); save that state.
+        stop = row.get("stopped")
+        if not stop and recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
             eval_loss = stepper.evaluate(val_batches)
             tracker.log({"step": step, "eval_loss": eval_loss})
             if rank0:
                 print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
-        if step % tcfg.save_every == 0 or step == tcfg.steps:
+        if stop or step % tcfg.save_every == 0 or step == tcfg.steps:
+            where.phase = "checkpoint save"
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
-            checkpoint.save(engine, ckpt_dir, step, client_state, tcfg.keep_last)
+            tag = checkpoint.save(engine, ckpt_dir, step, client_state, tcfg.keep_last)
+        if stop:
+            if rank0:
+                print(f"stopping at step {step}: {stop}; the step was skipped and "
+                      f"{ckpt_dir / tag} holds the weights from before it; change the settings "
+                      f"(e.g. a lower lr or --set train.spike_action=skip) and run the command "
+                      f"again to resume", file=sys.stderr, flush=True)
+            break
     tracker.close()
     return 0
 
@@ -142,15 +152,16 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    where = stepping.StepContext()
     try:
-        return train(plan)
+        return train(plan, where)
     except (ValueError, FileNotFoundError) as err:   # e.g. a corrupted checkpoint found on resume
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:                      # torch.OutOfMemoryError is one
         if not oom.is_out_of_memory(err):
             raise
-        print(oom.report(err, plan, args), file=sys.stderr)   # writes <run-dir>/oom_report.md
+        print(oom.report(err, plan, args, where), file=sys.stderr)   # writes <run-dir>/oom_report.md
         return oom.EXIT_CODE
 
 

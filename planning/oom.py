@@ -9,24 +9,25 @@ R > 0) and returns the one line the trainer prints before it exits with code ``E
 
 The report holds:
 
-- where: step, micro-batch and phase, read from the traceback's frames (``train()``'s ``step``,
-  ``Stepper.train_step``'s micro-batch index and the line it stopped on), so that the training
-  loop carries no bookkeeping for this; a frame that is missing leaves its field null;
+- where: step, micro-batch and phase (forward, backward, optimizer step, pipeline schedule,
+  evaluation, checkpoint save or load, start-up), as the trainer last recorded them in its
+  ``training.stepping.StepContext``; a field the run had not reached yet is null;
 - the layout: world, tp/ep/pp/dp, ZeRO stage, precision, micro-batch, accumulation, sequence
   length, activation checkpointing;
-- the estimator's per-GPU breakdown for this run (``launch/estimate_memory.estimate``) next to the
+- the estimator's per-GPU breakdown for this run (``planning/estimator.estimate``) next to the
   allocator's figures: ``torch.cuda.memory_stats`` and ``mem_get_info`` on a GPU, and the
   process's RSS and peak RSS (``/proc/self/status``) always;
-- the ``TOP_TENSORS`` largest live tensors of a ``gc`` scan, one row per storage (views of one
-  flat ZeRO buffer share a row), named when they are model parameters, their gradients,
-  optimizer states, buffers of DeepSpeed's ZeRO optimizer or locals of the repo's frames;
+- the ``TOP_TENSORS`` largest live tensors of a ``gc`` scan (``planning/live_tensors.py``), one row
+  per storage, named when they are model parameters, their gradients, optimizer states or
+  buffers of DeepSpeed's ZeRO optimizer;
 - on a GPU, ``torch.cuda.memory._dump_snapshot`` (with the stack trace of every allocation when
   ``train.memory_snapshot`` switched the allocator's history on at start, see
   ``record_memory_history``); drop the file on https://pytorch.org/memory_viz;
 - the next layout to try (``planning/next_layout.py``): "fits" compares the estimate, with its
   activations and buffers scaled by how far the estimator fell short on this run (the allocator
   needed at least what it held plus the failed request), with the device's memory less
-  ``RESERVE_FRACTION``; on a CPU the device is this process's share of the machine's memory.
+  ``RESERVE_FRACTION``; on a CPU the device is this process's share of the machine's memory;
+- the traceback.
 
 Besides the report only ``oom_snapshot*.pickle`` and ``oom_next_ds_config.json`` are written:
 ``checkpoints/`` and ``metrics.jsonl`` stay as the last completed step left them, so the same
@@ -36,24 +37,22 @@ stopped by the launcher (torchrun and deepspeed end the job when a process exits
 
 from __future__ import annotations
 
-import gc
 import json
-import linecache
 import os
 import re
 import resource
 import traceback
-import warnings
 from pathlib import Path
 
 import torch
 
+from planning import live_tensors
 from planning import memory_model as mm
 from planning.estimator import GB, RESERVE_FRACTION, estimate
-from training.hardware import GPUS
 from planning.next_layout import atomic_write, cost, gpus_per_node, suggest
+from training.hardware import GPUS
+from training.stepping import StepContext
 
-REPO = Path(__file__).resolve().parents[1]
 EXIT_CODE = 3
 TOP_TENSORS = 20
 HISTORY_ENTRIES = 100_000        # allocator events kept by the memory history
@@ -78,32 +77,39 @@ def record_memory_history(enabled: bool, device: torch.device) -> bool:
     return True
 
 
-def report(err: BaseException, plan, args) -> str:
+def report(err: BaseException, plan, args, where: StepContext | None = None) -> str:
     """Write this rank's OOM report into ``plan.run_dir``; return the one-line error message.
 
     Args:
         err: the out-of-memory exception, with its traceback.
         plan: ``launch.train.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
         args: the trainer's parsed arguments (to print the next command).
+        where: what the trainer last recorded: step, micro-batch, phase, and the objects it
+            had built (process groups, model, engine); None before it started.
     """
-    where, found = _where(err)
-    ctx = found.get("ctx")
+    where = where if where is not None else StepContext()
+    ctx = where.dist
     rank = ctx.rank if ctx is not None else int(os.environ.get("RANK", "0"))
     device = ctx.device if ctx is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     suffix = "" if rank == 0 else f".rank{rank}"
     run_dir = Path(plan.run_dir)
     _safe(lambda: run_dir.mkdir(parents=True, exist_ok=True))     # an OOM at start-up
-    rep = {"error": str(err).strip(), "rank": rank, "where": where,
-           "layout": _safe(_layout, plan, device, ctx)}
-    rep["allocator"] = _safe(_allocator, device)
-    requested = _requested_bytes(str(err))
-    rep["estimate"] = _safe(_estimate, plan, ctx, device, rep["allocator"], requested)
-    rep["largest_tensors"] = _safe(_largest_tensors, found)
+    rep = {"error": str(err).strip(), "rank": rank, "where": _where(where),
+           "layout": _safe(_layout, plan, device, ctx), "allocator": _safe(_allocator, device)}
+    rep["estimate"] = _safe(_estimate, plan, ctx, device, rep["allocator"], _requested_bytes(str(err)))
+    rep["largest_tensors"] = _safe(live_tensors.largest, where.model, where.engine, TOP_TENSORS)
     rep["snapshot"] = _safe(_snapshot, device, run_dir / f"oom_snapshot{suffix}.pickle",
                             plan.recipe.train.memory_snapshot)
     rep["suggestion"] = (_safe(suggest, plan, args, device, rep["estimate"]) if "error" not in rep["estimate"]
                          else {"error": f"no estimate: {rep['estimate']['error']}"})
     rep["traceback"] = "".join(traceback.format_exception(err))
+    md_path = _write(rep, run_dir, suffix)
+    next_try = rep["suggestion"].get("next_try") or "see the report"
+    return f"error: out of memory at {rep['where']['at']} (rank {rank}); report: {md_path}; next try: {next_try}"
+
+
+def _write(rep: dict, run_dir: Path, suffix: str) -> Path | str:
+    """Write the JSON and markdown report; return the markdown's path (or why it is missing)."""
     try:
         text = _markdown(rep)
     except Exception as e:                                  # noqa: BLE001
@@ -113,49 +119,18 @@ def report(err: BaseException, plan, args) -> str:
         atomic_write(run_dir / f"oom_report{suffix}.json", json.dumps(rep, indent=1, default=str) + "\n")
         atomic_write(md_path, text)
     except OSError as e:
-        md_path = f"not written ({e})"
-    at = where["at"]
-    next_try = rep["suggestion"].get("next_try") or "see the report"
-    return f"error: out of memory at {at} (rank {rank}); report: {md_path}; next try: {next_try}"
+        return f"not written ({e})"
+    return md_path
 
 
 # ---------------------------------------------------------------------------------------------
 # Where, layout, allocator.
 
-def _where(err: BaseException) -> tuple[dict, dict]:
-    """Step, micro-batch and phase from the traceback, and the objects its frames held."""
-    out = {"step": None, "micro_batch": None, "micro_batches": None, "phase": "start-up",
-           "call_path": []}
-    frames, local_vars, tb = {}, [], err.__traceback__
-    while tb is not None:
-        frame, path = tb.tb_frame, Path(tb.tb_frame.f_code.co_filename).resolve()
-        if REPO in path.parents and "site-packages" not in path.parts:
-            rel, name = path.relative_to(REPO).as_posix(), frame.f_code.co_name
-            text = linecache.getline(str(path), tb.tb_lineno).strip()
-            out["call_path"].append(f"{rel}:{tb.tb_lineno} {name}: {text}")
-            frames[(rel, name)] = (frame.f_locals, text)
-            local_vars.append((name, frame.f_locals))
-        tb = tb.tb_next
-    train_locals, train_line = frames.get(("launch/train.py", "train"), ({}, ""))
-    found = {k: train_locals.get(k) for k in ("ctx", "model", "engine")}
-    found["locals"] = local_vars
-    out["step"] = train_locals.get("step")
-    if train_line:
-        out["phase"] = train_line if out["step"] is not None else f"start-up: {train_line}"
-    step_locals, line = frames.get(("training/stepping.py", "train_step"), (None, ""))
-    if step_locals is not None:
-        if "i" in step_locals and "batches" in step_locals:
-            out["micro_batch"], out["micro_batches"] = step_locals["i"] + 1, len(step_locals["batches"])
-        out["phase"] = ("backward" if "backward" in line else "optimizer step" if ".step(" in line
-                        else "forward" if "engine(" in line else line)
-    for key, phase in ((("training/stepping.py", "_pipeline_train_step"), "pipeline schedule (1F1B)"),
-                       (("training/stepping.py", "evaluate"), "evaluation"),
-                       (("training/checkpoint.py", "save"), "checkpoint save"),
-                       (("training/checkpoint.py", "load"), "checkpoint load")):
-        if key in frames:
-            out["phase"] = phase
-    out["at"] = f"step {out['step']}" if out["step"] is not None else out["phase"]
-    return out, found
+def _where(where: StepContext) -> dict:
+    out = {"step": where.step, "micro_batch": where.micro_batch,
+           "micro_batches": where.micro_batches, "phase": where.phase}
+    out["at"] = f"step {where.step}" if where.step is not None else where.phase
+    return out
 
 
 def _layout(plan, device: torch.device, ctx) -> dict:
@@ -267,89 +242,7 @@ def _estimate(plan, ctx, device: torch.device, allocator: dict, requested: int) 
 
 
 # ---------------------------------------------------------------------------------------------
-# Largest live tensors and the memory snapshot.
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return t.device.type, t.device.index, t.untyped_storage().data_ptr()
-
-
-def _labels(found: dict) -> dict:
-    """Storage -> names, most telling first: parameters, their gradients and ZeRO-3 partitions,
-    optimizer states, the ZeRO optimizer's own buffers, locals of the repo's frames."""
-    model, engine = found.get("model"), found.get("engine")
-    labels: dict[tuple, list[str]] = {}
-    seen: set[int] = set()                  # each tensor object keeps its first (best) name
-
-    def add(t, name):
-        if isinstance(t, torch.Tensor) and t.numel() and id(t) not in seen:
-            seen.add(id(t))
-            labels.setdefault(_storage_key(t), []).append(name)
-
-    def add_all(value, name, depth=2):      # tensors in lists, dicts and plain objects
-        if isinstance(value, torch.Tensor):
-            add(value, name)
-        elif depth and isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                add_all(v, f"{name}[{i}]", depth - 1)
-        elif depth and isinstance(value, dict):
-            for k, v in value.items():
-                add_all(v, f"{name}[{k!r}]", depth - 1)
-        elif depth and type(value).__module__.startswith("deepspeed") and hasattr(value, "__dict__"):
-            for k, v in vars(value).items():     # e.g. DeepSpeed's gradient buckets
-                add_all(v, f"{name}.{k}", depth - 1)
-    names = {}
-    for name, p in (model.named_parameters() if model is not None else ()):
-        names[id(p)] = name
-        add(p, name)
-        add(p.grad, f"grad of {name}")
-        add(getattr(p, "ds_tensor", None), f"{name} (ZeRO-3 partition)")
-    opt = getattr(engine, "optimizer", None)
-    inner = getattr(opt, "optimizer", opt)           # DeepSpeed's ZeRO wrappers hold a torch one
-    if isinstance(inner, torch.optim.Optimizer):
-        for g, group in enumerate(inner.param_groups):
-            for p in group["params"]:
-                pname = names.get(id(p)) or f"fp32 flat partition of param group {g}"
-                if id(p) not in names:
-                    add(p, pname)
-                for key, value in inner.state.get(p, {}).items():
-                    add(value, f"optimizer {key} of {pname}")
-    if opt is not None and opt is not inner:
-        for attr, value in vars(opt).items():
-            add_all(value, f"{type(opt).__name__}.{attr}")
-    for func, scope in found.get("locals", ()):
-        for name, value in scope.items():
-            if isinstance(value, torch.Tensor) or not hasattr(value, "__dataclass_fields__"):
-                add_all(value, f"{func}() {name}")
-            else:                   # e.g. TransformerOutput: its logits
-                for attr in value.__dataclass_fields__:
-                    add_all(getattr(value, attr), f"{func}() {name}.{attr}")
-    return labels
-
-
-def _largest_tensors(found: dict) -> list[dict]:
-    labels = _labels(found)
-    storages: dict[tuple, tuple[int, torch.Tensor]] = {}
-    with warnings.catch_warnings():            # isinstance() on deprecated torch objects warns
-        warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
-    for obj in objects:
-        try:
-            if obj.device.type == "meta":
-                continue
-            key, nbytes = _storage_key(obj), obj.untyped_storage().nbytes()
-        except Exception:            # sparse, fake or otherwise storage-less tensors
-            continue
-        if nbytes and (key not in storages or obj.numel() > storages[key][1].numel()):
-            storages[key] = (nbytes, obj)
-    rows = []
-    for key, (nbytes, t) in sorted(storages.items(), key=lambda kv: -kv[1][0])[:TOP_TENSORS]:
-        names = labels.get(key, [])
-        name = names[0] if len(names) == 1 else (
-            f"{names[0]} + {len(names) - 1} more (views of one buffer)" if names else None)
-        rows.append({"mb": nbytes / 1e6, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                     "device": str(t.device), "name": name})
-    return rows
-
+# The memory snapshot and the output.
 
 def _snapshot(device: torch.device, path: Path, history: bool) -> dict:
     if device.type != "cuda":
@@ -359,9 +252,6 @@ def _snapshot(device: torch.device, path: Path, history: bool) -> dict:
             "segments only; rerun with --set train.memory_snapshot=true for stack traces")
     return {"path": str(path), "note": f"{note}; open it on https://pytorch.org/memory_viz"}
 
-
-# ---------------------------------------------------------------------------------------------
-# Output.
 
 def _safe(fn, *args) -> dict | list:
     """A section of the report; a failure is recorded in its place, never raised (the report is
@@ -377,16 +267,24 @@ def _gb(x) -> str:
 
 
 def _markdown(rep: dict) -> str:
-    w, lay, est, alloc = rep["where"], rep["layout"], rep["estimate"], rep["allocator"]
-    sug, tensors = rep["suggestion"], rep["largest_tensors"]
+    w, snap = rep["where"], rep["snapshot"]
     micro = f"{w['micro_batch']} of {w['micro_batches']}" if w["micro_batch"] else "-"
     lines = [f"# Out of memory at {w['at']}, rank {rep['rank']}", "",
              "```", rep["error"].splitlines()[0] if rep["error"] else "", "```", "",
              "## Where", "", f"- step: {w['step']}", f"- micro-batch: {micro}",
-             f"- phase: {w['phase']}", "", "```", *w["call_path"], "```", "", "## Layout", "",
-             "| key | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in lay.items()]
-    lines += ["", "## Memory: estimate vs allocator (GB = 1e9 bytes)", ""]
+             f"- phase: {w['phase']}", "", "## Layout", "", "| key | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rep["layout"].items()]
+    lines += _md_memory(rep["estimate"], rep["allocator"])
+    lines += _md_tensors(rep["largest_tensors"])
+    lines += ["", "## Memory snapshot", "",
+              f"{snap.get('path') or '-'}: {snap.get('note') or snap.get('error')}"]
+    lines += _md_next(rep["suggestion"])
+    lines += ["", "## Traceback", "", "```", rep["traceback"].rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _md_memory(est: dict, alloc: dict) -> list[str]:
+    lines = ["", "## Memory: estimate vs allocator (GB = 1e9 bytes)", ""]
     if "error" in est:
         lines.append(f"estimate unavailable: {est['error']}")
     else:
@@ -403,17 +301,22 @@ def _markdown(rep: dict) -> str:
                       f"of {_gb(est['total'])} GB; usable here: {_gb(est['budget'])} GB. The next "
                       f"layout's activations and buffers are scaled by {est['scale']:.2f} (the "
                       f"estimator's miss on this run)."]
-    lines += ["", f"## Largest live tensors (gc scan, one row per storage, top {TOP_TENSORS})", "",
-              "| MB | shape | dtype | device | name |", "|---|---|---|---|---|"]
+    return lines
+
+
+def _md_tensors(tensors: list | dict) -> list[str]:
+    lines = ["", f"## Largest live tensors (gc scan, one row per storage, top {TOP_TENSORS})", "",
+             "| MB | shape | dtype | device | name |", "|---|---|---|---|---|"]
     if isinstance(tensors, list):
         lines += [f"| {r['mb']:.2f} | {tuple(r['shape'])} | {r['dtype']} | {r['device']} "
                   f"| {r['name'] or ''} |" for r in tensors]
     else:
         lines.append(f"| - | - | - | - | {tensors['error']} |")
-    snap = rep["snapshot"]
-    lines += ["", "## Memory snapshot", "",
-              f"{snap.get('path') or '-'}: {snap.get('note') or snap.get('error')}", "",
-              "## Next layout to try", ""]
+    return lines
+
+
+def _md_next(sug: dict) -> list[str]:
+    lines = ["", "## Next layout to try", ""]
     if "rungs" in sug:
         lines += ["| rung | change | estimate GB | status |", "|---|---|---|---|"]
         for r in sug["rungs"]:
@@ -430,5 +333,4 @@ def _markdown(rep: dict) -> str:
                   json.dumps(sug["ds_json_changes"], indent=1), "```"]
     if sug.get("note"):
         lines += ["", f"Note: {sug['note']}."]
-    lines += ["", "## Traceback", "", "```", rep["traceback"].rstrip(), "```", ""]
-    return "\n".join(lines)
+    return lines

@@ -1,28 +1,59 @@
 """One optimizer step and one evaluation pass on a DeepSpeed engine, with exact accumulation.
 
-Exact gradient accumulation (DESIGN.md section 5): the cross-entropy of every micro-batch is
-divided by the number of target tokens of the WHOLE optimizer step (all micro-batches, all
-data-parallel ranks), not by its own token count. DeepSpeed averages gradients over the
-data-parallel group, so each micro-batch's loss is ``ce_sum * dp_size / step_tokens`` and the
-engine is told not to divide by the accumulation steps again. Micro-batch 1 x accumulation 4 then
-produces the same gradient as micro-batch 4 x accumulation 1.
+Exact gradient accumulation: the cross-entropy of every micro-batch is divided by the number of
+target tokens of the WHOLE optimizer step (all micro-batches, all data-parallel ranks), not by its
+own token count. DeepSpeed averages gradients over the data-parallel group, so each micro-batch's
+loss is ``ce_sum * dp_size / step_tokens`` and the engine is told not to divide by the
+accumulation steps again. Micro-batch 1 x accumulation 4 then produces the same gradient as
+micro-batch 4 x accumulation 1.
 
 The router losses are per micro-batch means (as in Switch/Megatron: the balance statistics are
-taken over the tokens of one forward pass), averaged over micro-batches and ranks.
+taken over the tokens of one forward pass), averaged over micro-batches and ranks. The step's
+statistics stay on the compute device in one vector, are summed over the ranks that see
+different tokens once, and reach the host once (one ``.tolist()``), before the last backward:
+the skip decision needs the step's loss on every rank.
 
 With pipeline stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the step's
 micro-batches; the same objective is built on the last stage (``training/pipeline.py``) and the
 statistics, the skip decision and the lr are taken in a hook before the optimizer step.
+
+``StepContext`` says where the trainer is (step, micro-batch, phase) for the out-of-memory report
+(``planning/oom.py``): ``Stepper`` and ``launch/train.py`` update it as they go.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from model.parallel import comm
+
+# The statistics vector: [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped] (router
+# values as means over MoE layers), then tokens per expert (L_moe x E), then the router entropy
+# (L_moe) and the dropped fraction (L_moe) of each MoE layer.
+_SCALARS = 7
+
+
+@dataclass
+class StepContext:
+    """Where the trainer is, kept current as it runs, for the out-of-memory report.
+
+    ``launch/train.py`` hands over the objects as it builds them and marks checkpoint loads and
+    saves; ``Stepper`` marks each micro-batch's forward and backward, the optimizer step, the
+    pipeline schedule and evaluation. Plain attribute writes: the report reads them after the
+    error has unwound the stack.
+    """
+
+    phase: str = "start-up"
+    step: int | None = None
+    micro_batch: int | None = None        # 1-based, within ``step``; None outside a micro-batch
+    micro_batches: int | None = None
+    dist: object = None                   # training.run_setup.DistContext: rank, device, GPU
+    model: torch.nn.Module | None = None  # its parameters and gradients are named in the report
+    engine: object = None                 # its optimizer's states and buffers too
 
 
 def _schedule_position(scheduler) -> int | None:
@@ -57,12 +88,22 @@ class Stepper:
 
     Statistics are summed over the batch group (every rank that sees different tokens: expert
     and data parallel); tensor-parallel peers hold identical values.
+
+    Args:
+        engine: the DeepSpeed engine (``PipelineEngine`` with pipeline stages).
+        recipe: the run's recipe (``train`` section: spike handling).
+        ds: the resolved DeepSpeed config (batch sizes, ZeRO stage, precision).
+        ctx: ``training.run_setup.DistContext`` (device and process groups).
+        dp_size: the data-parallel size (the loss is scaled by it, see the module docstring).
+        monitor_state: the loss-spike monitor and token count of a resumed run.
+        where: the ``StepContext`` to keep current (a private one when None).
     """
 
-    def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, tokens_per_step: int,
-                 monitor_state: dict | None = None):
+    def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, monitor_state: dict | None = None,
+                 where: StepContext | None = None):
         self.engine, self.recipe, self.ctx = engine, recipe, ctx
-        self.dp_size, self.tokens_per_step = dp_size, tokens_per_step
+        self.where = where if where is not None else StepContext()
+        self.dp_size, self.tokens_per_step = dp_size, ds["train_batch_size"] * recipe.seq_len
         self.model = engine.module
         self.cfg = self.model.cfg
         self.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
@@ -70,13 +111,13 @@ class Stepper:
         self.spikes = SpikeMonitor(recipe.train.spike_factor, recipe.train.spike_window, monitor_state)
         self.tokens_seen = (monitor_state or {}).get("tokens", 0)
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
-        self.num_moe_layers = self.cfg.num_moe_layers
+        self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
         self.pipeline = ctx.groups.pp > 1
         if self.pipeline:
             from training import pipeline
             gas = ds["gradient_accumulation_steps"]
             # DeepSpeed divides the last stage's loss by gas: undo it (see training/pipeline.py).
-            self.model.loss_fn.ce_scale = dp_size * gas / tokens_per_step
+            self.model.loss_fn.ce_scale = dp_size * gas / self.tokens_per_step
             pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
             if self.zero_stage == 0 and not self.half:
                 pipeline.clip_fp32_with_norm(engine, lambda: self._grad_norm_local)
@@ -84,37 +125,46 @@ class Stepper:
     def monitor_state(self) -> dict:
         return {**self.spikes.state(), "tokens": self.tokens_seen}
 
-    def _stats_vector(self) -> torch.Tensor:
-        # [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, counts (L_moe x E)]
+    def _stats_vector(self, device: torch.device) -> torch.Tensor:
         experts = self.cfg.moe.num_experts if self.cfg.moe else 0
-        return torch.zeros(7 + self.num_moe_layers * experts, dtype=torch.float64)
+        layers = len(self.moe_blocks)
+        return torch.zeros(_SCALARS + layers * (experts + 2), dtype=torch.float64, device=device)
 
     def train_step(self, step: int, batches) -> tuple[dict, dict]:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
+        where = self.where
+        where.step, where.micro_batch, where.micro_batches = step, None, len(batches)
         if self.pipeline:
             return self._pipeline_train_step(step, batches)
         t0 = time.time()
         engine, gas = self.engine, len(batches)
-        stats = self._stats_vector()
+        stats = self._stats_vector(self.ctx.device)
         for i, (input_ids, labels) in enumerate(batches):
-            out = engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
-            loss = out.ce_sum * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
-            self._accumulate(stats, out, gas)
-            if not torch.isfinite(loss.detach()):
-                stats[2] += 1
+            where.micro_batch, where.phase = i + 1, "forward"
+            loss = self._forward(input_ids, labels, stats, gas)
             if i == gas - 1:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
-                comm.all_reduce_sum(stats, self.ctx.batch_group)
-                step_loss = stats[0].item() / max(stats[1].item(), 1)
-                skip_reason = self._skip_reason(step_loss, stats[2].item() > 0)
+                values = comm.all_reduce_sum(stats, self.ctx.batch_group).tolist()
+                step_loss = values[0] / max(values[1], 1)
+                skip_reason = self._skip_reason(step_loss, values[2] > 0)
+            where.phase = "backward"
             engine.backward(loss, scale_wrt_gas=False)
             if i == gas - 1:
                 saved_lr = self._prepare_last_step(skip_reason)
+                where.phase = "optimizer step"
             engine.step()
-        return self._finish_step(step, stats, step_loss, saved_lr, skip_reason, t0)
+        return self._finish_step(step, values, step_loss, saved_lr, skip_reason, t0)
 
-    def _finish_step(self, step, stats, step_loss, saved_lr, skip_reason, t0) -> tuple[dict, dict]:
+    def _forward(self, input_ids, labels, stats: torch.Tensor, gas: int) -> torch.Tensor:
+        """One micro-batch's loss; its statistics are added to ``stats``. The model's output
+        (with the logits) is released on return, before the backward and the next forward."""
+        out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
+        loss = out.ce_sum * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
+        self._accumulate(stats, out, loss.detach(), gas)
+        return loss
+
+    def _finish_step(self, step, values, step_loss, saved_lr, skip_reason, t0) -> tuple[dict, dict]:
         engine = self.engine
         applied = engine.was_step_applied() and skip_reason is None
         if saved_lr is not None and _schedule_position(engine.lr_scheduler) == self._sched_before:
@@ -124,12 +174,13 @@ class Stepper:
                 group["lr"] = lr
         if skip_reason is None:
             self.spikes.record(step_loss)
-        return self._row(step, stats, step_loss, saved_lr, applied, skip_reason, time.time() - t0)
+        return self._row(step, values, step_loss, applied, skip_reason, time.time() - t0)
 
     def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
         """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
         inside ``train_batch`` after the last backward."""
         t0 = time.time()
+        self.where.phase = "pipeline schedule (1F1B)"
         self.model.reset_stats()
         self._decided = None
         self.engine.train_batch(iter(batches))
@@ -138,26 +189,32 @@ class Stepper:
     def _pipeline_before_step(self, gas: int) -> None:
         # Every value lives on one stage (the losses on the last, each MoE layer's on its own):
         # sum over the ranks that see different tokens, then over the stages.
-        stats = self._stats_vector()
-        self.model.add_step_stats(stats, gas)
+        stats = self._stats_vector(torch.device("cpu"))
+        self.model.add_step_stats(stats, gas)        # host values (training/pipeline.py)
+        stats = stats.to(self.ctx.device)            # collectives take device tensors (NCCL)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
-        comm.all_reduce_sum(stats, self.ctx.groups.pp_group)
-        step_loss = stats[0].item() / max(stats[1].item(), 1)
-        skip_reason = self._skip_reason(step_loss, stats[2].item() > 0)
+        values = comm.all_reduce_sum(stats, self.ctx.groups.pp_group).tolist()
+        step_loss = values[0] / max(values[1], 1)
+        skip_reason = self._skip_reason(step_loss, values[2] > 0)
         saved_lr = self._prepare_last_step(skip_reason)
-        self._decided = (stats, step_loss, saved_lr, skip_reason)
+        self.where.phase = "optimizer step"
+        self._decided = (values, step_loss, saved_lr, skip_reason)
 
-    def _accumulate(self, stats: torch.Tensor, out, gas: int) -> None:
-        stats[0] += out.ce_sum.detach().double().item()
-        stats[1] += out.num_target_tokens.item()
+    def _accumulate(self, stats: torch.Tensor, out, loss: torch.Tensor, gas: int) -> None:
+        # Device-side adds only: no value leaves the device per micro-batch or per layer.
+        stats[0] += out.ce_sum.detach().double()
+        stats[1] += out.num_target_tokens.double()
+        stats[2] += (~torch.isfinite(loss)).double()
         if out.moe_aux:
-            # Means over micro-batches and ranks: divide by gas here and by dp in _row.
-            stats[3] += out.aux_loss.detach().item() / gas
-            stats[4] += out.z_loss.detach().item() / gas
-            stats[5] += sum(a.entropy.item() for a in out.moe_aux) / len(out.moe_aux) / gas
-            stats[6] += sum(a.dropped_frac.item() for a in out.moe_aux) / len(out.moe_aux) / gas
-            counts = torch.stack([a.tokens_per_expert for a in out.moe_aux]).double().flatten()
-            stats[7:] += counts.cpu()
+            # Means over micro-batches here, over data-parallel ranks in _moe_stats.
+            entropy = torch.stack([a.entropy for a in out.moe_aux]).double() / gas      # (L,)
+            dropped = torch.stack([a.dropped_frac for a in out.moe_aux]).double() / gas  # (L,)
+            counts = torch.stack([a.tokens_per_expert for a in out.moe_aux]).double()   # (L, E)
+            stats[3] += out.aux_loss.detach().double() / gas
+            stats[4] += out.z_loss.detach().double() / gas
+            stats[5] += entropy.mean()
+            stats[6] += dropped.mean()
+            stats[_SCALARS:] += torch.cat([counts.flatten(), entropy, dropped])
 
     def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
         self._spike = False
@@ -197,7 +254,7 @@ class Stepper:
         # ``tensor_model_parallel`` mark, see model/parallel/layers.py), summed over tp x ep.
         # Pipeline stages hold different layers (summed over pp); a tied weight's copy on a
         # later stage is marked ``ds_pipe_replicated`` by DeepSpeed and counted once.
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for p in self.model.parameters():
             if (p.grad is not None and getattr(p, "tensor_model_parallel", True)
                     and not getattr(p, "ds_pipe_replicated", False)):
@@ -205,27 +262,20 @@ class Stepper:
         comm.all_reduce_sum(sq, self.ctx.groups.mp_group)
         return float(comm.all_reduce_sum(sq, self.ctx.groups.pp_group)) ** 0.5
 
-    def _row(self, step, stats, step_loss, saved_lr, applied, skip_reason, step_time) -> tuple[dict, dict]:
+    def _row(self, step, values, step_loss, applied, skip_reason, step_time) -> tuple[dict, dict]:
         gn = self.engine.get_global_grad_norm()
         if gn is None:
             gn = self._grad_norm_local
         gn = float(gn) if gn is not None else None
-        self.tokens_seen += int(stats[1].item())
+        self.tokens_seen += int(values[1])
         row = {"step": step, "loss": step_loss, "lr": self._lr,
                "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
-               "tokens": self.tokens_seen, "tokens_per_s": stats[1].item() / step_time,
+               "tokens": self.tokens_seen, "tokens_per_s": values[1] / step_time,
                "step_time_s": step_time}
         extra = {}
-        if self.num_moe_layers:
-            dp = self.dp_size
-            row.update(aux_loss=stats[3].item() / dp, z_loss=stats[4].item() / dp,
-                       router_entropy=stats[5].item() / dp, dropped_frac=stats[6].item() / dp)
-            counts = stats[7:].view(self.num_moe_layers, -1)
-            ratio = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
-            row["expert_load_max_over_mean"] = ratio.max().item()   # the worst MoE layer
-            for layer, (r, c) in enumerate(zip(ratio.tolist(), counts.tolist())):
-                extra[f"moe/layer{layer}/load_max_over_mean"] = r
-                extra[f"moe/layer{layer}/tokens_per_expert"] = c
+        if self.moe_blocks:
+            moe_row, extra = self._moe_stats(values)
+            row.update(moe_row)
         if self._spike:
             row["spike"] = True     # logged in every case; skipped or stopped when asked
         if not applied:
@@ -235,22 +285,45 @@ class Stepper:
         self.ctx.add_gpu_metrics(row, self.flops_per_token)
         return row, extra
 
+    def _moe_stats(self, values: list[float]) -> tuple[dict, dict]:
+        """The router statistics of a step: means over MoE layers for the metrics row (and the
+        load of the worst layer), and each MoE layer's for W&B as ``moe/layer{i}/...``, ``i``
+        the transformer block's index."""
+        dp, layers, experts = self.dp_size, len(self.moe_blocks), self.cfg.moe.num_experts
+        counts = values[_SCALARS:_SCALARS + layers * experts]
+        entropy = values[_SCALARS + layers * experts:][:layers]
+        dropped = values[_SCALARS + layers * (experts + 1):]
+        row = {"aux_loss": values[3] / dp, "z_loss": values[4] / dp,
+               "router_entropy": values[5] / dp, "dropped_frac": values[6] / dp}
+        extra, worst = {}, 0.0
+        for j, block in enumerate(self.moe_blocks):
+            tokens = [int(c) for c in counts[j * experts:(j + 1) * experts]]
+            ratio = max(tokens) / max(sum(tokens) / experts, 1e-9)
+            worst = max(worst, ratio)
+            extra[f"moe/layer{block}/load_max_over_mean"] = ratio
+            extra[f"moe/layer{block}/tokens_per_expert"] = tokens
+            if not self.pipeline:       # training/pipeline.py fills the means only
+                extra[f"moe/layer{block}/router_entropy"] = entropy[j] / dp
+                extra[f"moe/layer{block}/dropped_frac"] = dropped[j] / dp
+        row["expert_load_max_over_mean"] = worst         # the worst MoE layer
+        return row, extra
+
     @torch.no_grad()
     def evaluate(self, batches) -> float:
         """Mean next-token loss over the validation batches (summed over data-parallel ranks)."""
+        self.where.phase, self.where.micro_batch = "evaluation", None
         if self.pipeline:
             self.model.reset_stats()
             self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
-            sums = self.model.eval_sums()
+            sums = self.model.eval_sums().to(self.ctx.device)
             comm.all_reduce_sum(sums, self.ctx.batch_group)
-            comm.all_reduce_sum(sums, self.ctx.groups.pp_group)
-            return sums[0].item() / max(sums[1].item(), 1)
+            total, tokens = comm.all_reduce_sum(sums, self.ctx.groups.pp_group).tolist()
+            return total / max(tokens, 1)
         self.engine.eval()
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for input_ids, labels in batches:
             out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
-            sums[0] += out.ce_sum.double().item()
-            sums[1] += out.num_target_tokens.item()
+            sums += torch.stack([out.ce_sum.double(), out.num_target_tokens.double()])
         self.engine.train()
-        comm.all_reduce_sum(sums, self.ctx.batch_group)
-        return sums[0].item() / max(sums[1].item(), 1)
+        total, tokens = comm.all_reduce_sum(sums, self.ctx.batch_group).tolist()
+        return total / max(tokens, 1)

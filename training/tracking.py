@@ -7,6 +7,7 @@ like one uninterrupted run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -36,11 +37,20 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def _wandb_has_key() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = Path.home() / ".netrc"
-    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+def _wandb_mode() -> tuple[str, str | None]:
+    """W&B's mode for this run and, when not online, why: ``WANDB_MODE`` when it says offline or
+    disabled, else online when wandb itself finds credentials, offline when it finds none."""
+    import wandb
+    forced = os.environ.get("WANDB_MODE")
+    if forced in ("offline", "dryrun", "disabled"):
+        return ("disabled" if forced == "disabled" else "offline"), f"WANDB_MODE={forced}"
+    # wandb's own lookup (WANDB_API_KEY, an identity token, its settings files, ~/.netrc), with
+    # no prompt and no call to the server; wandb.api.api_key on releases before login(prompt=).
+    if "prompt" in inspect.signature(wandb.login).parameters:
+        found = wandb.login(prompt=False, verify=False)
+    else:
+        found = bool(wandb.api.api_key)
+    return ("online", None) if found else ("offline", "no W&B credentials found")
 
 
 class Tracker:
@@ -72,7 +82,7 @@ class Tracker:
 
     def _init_wandb(self, run_dir: Path, tracking, config: dict, run_name: str) -> None:
         import wandb
-        offline = not _wandb_has_key() or os.environ.get("WANDB_MODE") == "offline"
+        mode, why = _wandb_mode()
         # Reusing the run id lets a resumed run append to the same W&B run.
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
@@ -80,13 +90,14 @@ class Tracker:
         self.wandb_run = wandb.init(
             project=tracking.project, entity=tracking.entity, name=tracking.run_name or run_name,
             tags=list(tracking.tags), config=config, dir=str(run_dir), id=run_id, resume="allow",
-            mode="offline" if offline else "online")
-        if offline:
-            print(f"W&B: no API key found, logging offline under {self.wandb_run.dir}; "
+            mode=mode)
+        if mode == "offline":
+            print(f"W&B: {why}, logging offline under {self.wandb_run.dir}; "
                   f"upload later with: wandb sync {Path(self.wandb_run.dir).parent}", flush=True)
 
     def log(self, row: dict, extra: dict | None = None) -> None:
-        """Append one row to metrics.jsonl; W&B also gets ``extra`` (e.g. per-layer stats)."""
+        """Append one row to metrics.jsonl; W&B also gets ``extra`` (each MoE layer's router
+        statistics, ``moe/layer{i}/...``, see ``Stepper._moe_stats``)."""
         if not self.enabled:
             return
         self.file.write(json.dumps(row) + "\n")

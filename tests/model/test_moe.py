@@ -164,13 +164,48 @@ def test_router_math_is_fp32_under_bf16():
     assert aux.z_loss.dtype == aux.aux_loss.dtype == torch.float32
 
 
+@pytest.fixture
+def grouped_mm_paths(monkeypatch):
+    """Counts which path ``grouped_mm`` takes: the grouped kernel or the per-expert loop (with a
+    fresh record of unsupported cases, so that an earlier test's fallback does not decide)."""
+    from model.moe import experts
+    calls = {"kernel": 0, "loop": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    if experts._GROUPED_MM is not None:
+        monkeypatch.setattr(experts, "_GROUPED_MM", counted("kernel", experts._GROUPED_MM))
+    monkeypatch.setattr(experts, "_looped_mm", counted("loop", experts._looped_mm))
+    monkeypatch.setattr(experts, "_UNSUPPORTED", set())
+    return calls
+
+
+def _kernel_unavailable(x, w, counts) -> str | None:
+    """Why torch's grouped kernel cannot compute this product here, or None when it can."""
+    from model.moe import experts
+    kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if kernel is None:
+        return f"torch {torch.__version__} has no grouped_mm"
+    try:
+        kernel(x.detach(), w.detach(), offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    except RuntimeError as err:
+        return f"torch {torch.__version__}'s grouped_mm fails on {x.device.type} {x.dtype}: {err}"
+    assert experts._GROUPED_MM is not None
+    return None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_mm_matches_loop_including_empty_experts(dtype):
+def test_grouped_mm_matches_loop_including_empty_experts(dtype, grouped_mm_paths):
+    # Rows of 16 elements: 64 bytes (fp32) and 32 bytes (bf16), aligned as the CPU kernel wants.
     torch.manual_seed(0)
     counts = torch.tensor([0, 5, 3, 0, 8])
     x = torch.randn(int(counts.sum()), 16, dtype=dtype, requires_grad=True)
     w = torch.randn(5, 16, 8, dtype=dtype, requires_grad=True)
     y = grouped_mm(x, w, counts)
+    taken = dict(grouped_mm_paths)
     ref = _looped_mm(x, w, counts)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
@@ -180,6 +215,12 @@ def test_grouped_mm_matches_loop_including_empty_experts(dtype):
     torch.testing.assert_close(gx, rx, rtol=tol, atol=tol)
     torch.testing.assert_close(gw, rw, rtol=tol, atol=tol)
     assert torch.all(gw[0] == 0) and torch.all(gw[3] == 0)
+    # The product above was the kernel's, not the loop's, wherever the kernel can compute it.
+    why_not = _kernel_unavailable(x, w, counts)
+    if why_not is not None:
+        assert taken == {"kernel": taken["kernel"], "loop": 1}
+        pytest.skip(f"the loop fallback was checked; not the kernel: {why_not}")
+    assert taken == {"kernel": 1, "loop": 0}
 
 
 def test_mixtral_layer_matches_per_token_reference():

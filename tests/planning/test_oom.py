@@ -24,6 +24,7 @@ from planning import next_layout, oom
 from launch import train
 from training.recipe import load_recipe
 from tests.runs import REPO, SMALL, ds_variant, env
+from training.stepping import StepContext
 
 OOM_AT_CALL = 6
 SECTIONS = ("## Where", "## Layout", "## Memory: estimate vs allocator", "## Largest live tensors",
@@ -88,7 +89,32 @@ def test_report_has_every_section(oom_run):
     assert [t["mb"] for t in tensors] == sorted((t["mb"] for t in tensors), reverse=True)
     params = re.compile(r"^(embed_tokens|lm_head|norm|layers\.\d+\.[\w.]+)\.weight\b")
     assert any(t["name"] and params.match(t["name"]) for t in tensors), tensors
-    assert any(t["name"] == "train_step() out.logits" and t["shape"] == [4, 64, 4096] for t in tensors)
+    # Named from the engine the trainer handed over: Adam's states of ZeRO's fp32 partitions and
+    # the ZeRO optimizer's gradient buffer.
+    names = [t["name"] or "" for t in tensors]
+    assert {"optimizer exp_avg of fp32 flat partition of param group 0",
+            "optimizer exp_avg_sq of fp32 flat partition of param group 0"} <= set(names), names
+    assert any(n.startswith("DeepSpeedZeroOptimizer.") for n in names), names
+    # Micro-batch 1's output was released after its backward: its logits (4.2 MB, the largest
+    # tensor of this run) are not alive during micro-batch 2's forward.
+    assert not any(t["shape"] == [4, 64, 4096] for t in tensors), tensors
+
+
+def test_report_says_where_the_trainer_last_recorded(tmp_path):
+    """Outside a micro-batch the report names the phase the trainer recorded; before the trainer
+    recorded anything (an error in start-up) it says start-up."""
+    args = train.parse_args(["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(tmp_path / "run"),
+                             "--set", *SMALL])
+    plan = train.prepare(args)
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+    assert oom.report(err, plan, args).startswith("error: out of memory at start-up (rank 0); report: ")
+    line = oom.report(err, plan, args, StepContext(phase="checkpoint save", step=7))
+    assert line.startswith(f"error: out of memory at step 7 (rank 0); report: {tmp_path / 'run' / 'oom_report.md'};")
+    where = json.loads((tmp_path / "run" / "oom_report.json").read_text())["where"]
+    assert where == {"step": 7, "micro_batch": None, "micro_batches": None, "phase": "checkpoint save",
+                     "at": "step 7"}
+    md = (tmp_path / "run" / "oom_report.md").read_text()
+    assert "- step: 7\n- micro-batch: -\n- phase: checkpoint save\n" in md
 
 
 def test_suggested_command_is_runnable(oom_run):
@@ -162,7 +188,7 @@ def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):
     assert not oom.is_out_of_memory(RuntimeError("shape mismatch"))
     # Any other RuntimeError keeps its traceback (not swallowed into exit code 3).
     monkeypatch.setattr(train, "prepare", lambda args: None)
-    monkeypatch.setattr(train, "train", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(train, "train", lambda plan, where: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         train.main(["--config", "ds_configs/zero1.json"])
 

@@ -1,5 +1,14 @@
-"""Run by test_stability.py in its own process: steps with a poisoned (NaN) and a spiking loss
-through the real engine and Stepper; prints one JSON line of what happened."""
+"""Run by test_stability.py in its own process, one of:
+
+    _stability_run.py CONFIG ACTION [SCALES]
+        steps with a poisoned (NaN) and a spiking loss through the real engine and Stepper: the
+        final norm's output is multiplied by SCALES[i] in step i + 1 (default 1,1,1,nan,30,1);
+        prints one JSON line of what happened, with the fp16 loss scale after each step.
+    _stability_run.py --trainer SPIKE_STEP TRAIN_ARGS...
+        ``launch.train.main(TRAIN_ARGS)`` with the final norm's output scaled 30x in every
+        training forward of optimizer step SPIKE_STEP (a finite loss spike), as a user's run
+        would meet one.
+"""
 
 import json
 import sys
@@ -12,31 +21,57 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from training import ds_config, run_setup, stepping  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 
+SPIKE_SCALE = 30.0
 
-def main(config: str, action: str) -> None:
+
+def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE},1") -> None:
+    values = [float(v) for v in scales.split(",")]
     recipe = load_recipe(None, ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32",
                                 "model.max_seq_len=16", "data.seq_len=16", f"train.spike_action={action}",
-                                "train.spike_window=2", "train.spike_factor=1.5", "train.steps=6"])
+                                "train.spike_window=2", "train.spike_factor=1.5", f"train.steps={len(values)}"])
     ds = run_setup.resolve_ds_config(ds_config.validate_ds_config(ds_config.load_ds_config(config), 1), recipe)
     ctx = run_setup.init_distributed(recipe)
     model = run_setup.build_model(recipe, None, ctx.groups)
     engine = run_setup.build_engine(model, ds, recipe.train.steps, ctx.groups)
-    stepper = stepping.Stepper(engine, recipe, ds, ctx, 1, tokens_per_step=ds["train_batch_size"] * 16)
+    stepper = stepping.Stepper(engine, recipe, ds, ctx, 1)
     gen = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 4096, (ds["train_micro_batch_size_per_gpu"], 16), generator=gen),) * 2]
     scale = {"value": 1.0}
     model.norm.register_forward_hook(lambda mod, inp, out: out * scale["value"])
     out = []
-    for step, value in enumerate([1.0, 1.0, 1.0, float("nan"), 30.0, 1.0], start=1):
+    for step, value in enumerate(values, start=1):
         scale["value"] = value
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         row, _ = stepper.train_step(step, batch)
         changed = any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
         finite = all(torch.isfinite(p).all() for p in model.parameters())
         out.append({"step": step, "loss": row["loss"], "skipped": row.get("skipped"),
-                    "stopped": row.get("stopped"), "spike": row.get("spike", False), "changed": changed, "finite": bool(finite)})
+                    "stopped": row.get("stopped"), "spike": row.get("spike", False), "changed": changed,
+                    "finite": bool(finite), "loss_scale": getattr(engine.optimizer, "cur_scale", None)})
     print("RESULT " + json.dumps(out))
 
 
+def trainer_run(spike_step: int, argv: list[str]) -> int:
+    from launch import train
+    now = {"step": None}                 # the optimizer step being trained
+    build_model, train_step = run_setup.build_model, stepping.Stepper.train_step
+
+    def build_with_spike(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        model.norm.register_forward_hook(      # evaluation passes (eval mode) are left alone
+            lambda mod, inp, out: out * SPIKE_SCALE if mod.training and now["step"] == spike_step else out)
+        return model
+
+    def train_step_recorded(self, step, batches):
+        now["step"] = step
+        return train_step(self, step, batches)
+
+    run_setup.build_model = build_with_spike
+    stepping.Stepper.train_step = train_step_recorded
+    return train.main(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--trainer":
+        sys.exit(trainer_run(int(sys.argv[2]), sys.argv[3:]))
+    stepper_run(*sys.argv[1:])

@@ -3,7 +3,8 @@
 Each case runs the real engine and ``Stepper`` in a fresh process (``_stability_run.py``): three
 normal steps, then a step whose activations are multiplied by NaN, then one whose logits are
 scaled 30x (a finite loss spike against a running mean of 2 steps with factor 1.5), then a
-normal step.
+normal step. ``spike_action: stop`` is also run through the trainer (``launch/train.py``), which
+saves the pre-spike state and stops.
 """
 
 import json
@@ -12,12 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.runs import REPO, env
+from tests.runs import REPO, SMALL, env, rows
 
 
-def _run(config: str, action: str) -> list[dict]:
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_stability_run.py"), config, action],
+def _run(config: str, action: str, *scales: str) -> list[dict]:
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_stability_run.py"), config, action, *scales],
                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
@@ -44,3 +46,40 @@ def test_spike_is_only_logged_or_stops_when_asked():
     assert logged[4]["spike"] and not logged[5]["spike"]
     stopped = _run("ds_configs/zero1_fp32.json", "stop")
     assert stopped[4]["stopped"].startswith("loss spike") and not stopped[4]["changed"]
+
+
+def test_stop_saves_the_weights_from_before_the_spike_and_resumes(tmp_path):
+    """The trainer with ``spike_action: stop`` and a spike at step 4 (checkpoint every 3 steps):
+    step 4 is skipped, ``step00000004`` is written with step 3's weights, the run stops with one
+    message, and the same command (here with the spike gone and ``spike_action: log``) resumes
+    at step 5."""
+    run_dir = tmp_path / "run"
+    args = ["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "6",
+            "--set", *SMALL, "eval.every=0", "train.save_every=3", "train.spike_window=2",
+            "train.spike_factor=1.5"]
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_stability_run.py"), "--trainer",
+                          "4", *args, "train.spike_action=stop"], cwd=REPO, env=env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = run_dir / "checkpoints"
+    stops = [line for line in out.stderr.splitlines() if line.startswith("stopping at step")]
+    assert len(stops) == 1 and stops[0].startswith("stopping at step 4: loss spike (")
+    assert f"{ckpt / 'step00000004'} holds the weights from before it" in stops[0]
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert logged[3]["stopped"].startswith("loss spike") and logged[3]["skipped"] == logged[3]["stopped"]
+    assert logged[3]["loss"] > 1.5 * logged[2]["loss"]
+    assert (ckpt / "latest").read_text().strip() == "step00000004"
+    before, at = (torch.load(next((ckpt / tag).glob("mp_rank_00_model_states.pt")), map_location="cpu",
+                             weights_only=False) for tag in ("step00000003", "step00000004"))
+    assert at["step"] == 4 and before["step"] == 3 and at["data"]["step"] == 4
+    assert before["module"].keys() == at["module"].keys()
+    assert all(torch.equal(before["module"][k], at["module"][k]) for k in at["module"])
+
+    resumed = subprocess.run([sys.executable, "launch/train.py", *args, "train.spike_action=log"],
+                             cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {ckpt / 'step00000004'}" in resumed.stdout
+    logged = rows(run_dir)
+    assert [r["step"] for r in logged] == list(range(1, 7))
+    assert not any(r.get("spike") for r in logged[4:])
