@@ -18,7 +18,7 @@ def run_row(run_dir: Path) -> str:
     est = ""
     if (run_dir / "estimate.json").is_file():
         e = json.loads((run_dir / "estimate.json").read_text())
-        total = e.get("total_bytes") or e.get("per_gpu", {}).get("total_bytes")
+        total = e.get("worst", {}).get("gpu_total")
         est = f"{total / 1e9:.1f}" if total else ""
     return (f"| {run_dir.name} | {tok:,.0f} | {100 * mfu:.1f}% | {mem:.1f} | {est} | "
             f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} |")

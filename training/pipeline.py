@@ -18,7 +18,7 @@ for every floating-point input of a stage and asserts that it exists, so both su
 the graph: the embedding creates them as zeros derived from its output, and the loss uses them
 even for dense models (times 0).
 
-Exactness (DESIGN.md section 5): the non-pipeline trainer back-propagates, per micro-batch,
+Exactness (the same objective as without a pipeline): the non-pipeline trainer back-propagates, per micro-batch,
 ``ce_sum * dp / step_tokens + router_loss / gas``. DeepSpeed's pipeline divides the last stage's
 loss by the accumulation steps (``engine.backward`` with ``scale_wrt_gas=True``) and averages
 gradients over data-parallel ranks, so ``PipelineLoss`` returns
@@ -50,7 +50,6 @@ Proven against the single-process control in tests/parallel/test_pipeline_layout
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
@@ -244,20 +243,24 @@ class TransformerPipe(PipelineModule):
 
     def add_step_stats(self, stats: torch.Tensor, gas: int) -> None:
         """Add this rank's values to the trainer's vector ``[ce_sum, target_tokens, nonfinite,
-        aux, z, entropy, dropped, counts (L_moe x E)]`` (router values as means over MoE layers
-        and micro-batches, as ``Stepper._accumulate``). No communication."""
-        for record in self.loss_fn.records:
-            ce_sum, tokens, loss = record.tolist()
-            stats[0] += ce_sum
-            stats[1] += tokens
-            stats[2] += 0 if math.isfinite(loss) else 1
-        num_moe = self.cfg.num_moe_layers
+        aux, z, entropy, dropped, counts (L_moe x E), entropy (L_moe), dropped (L_moe)]`` (router
+        values as means over micro-batches, the scalars also over MoE layers, as
+        ``Stepper._accumulate``). Device-side adds only: no communication, no host copy."""
+        for record in self.loss_fn.records:          # (ce_sum, target tokens, loss)
+            stats[0] += record[0]
+            stats[1] += record[1]
+            stats[2] += (~torch.isfinite(record[2])).double()
+        if self.cfg.moe is None:
+            return
+        layers, experts = self.cfg.num_moe_layers, self.cfg.moe.num_experts
         for block in self._blocks():
+            j = block.moe_index
             for aux, z, entropy, dropped, counts in block.moe_stats:
                 for i, value in enumerate((aux, z, entropy, dropped)):
-                    stats[3 + i] += value.item() / num_moe / gas
-                row = 7 + block.moe_index * counts.numel()
-                stats[row:row + counts.numel()] += counts.double().cpu()
+                    stats[3 + i] += value.double() / layers / gas
+                stats[7 + j * experts:7 + (j + 1) * experts] += counts.double()
+                stats[7 + layers * experts + j] += entropy.double() / gas
+                stats[7 + layers * (experts + 1) + j] += dropped.double() / gas
 
     def eval_sums(self) -> torch.Tensor:
         """``[ce_sum, target_tokens]`` of the stashed micro-batches (zeros off the last stage)."""

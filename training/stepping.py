@@ -302,9 +302,8 @@ class Stepper:
             worst = max(worst, ratio)
             extra[f"moe/layer{block}/load_max_over_mean"] = ratio
             extra[f"moe/layer{block}/tokens_per_expert"] = tokens
-            if not self.pipeline:       # training/pipeline.py fills the means only
-                extra[f"moe/layer{block}/router_entropy"] = entropy[j] / dp
-                extra[f"moe/layer{block}/dropped_frac"] = dropped[j] / dp
+            extra[f"moe/layer{block}/router_entropy"] = entropy[j] / dp
+            extra[f"moe/layer{block}/dropped_frac"] = dropped[j] / dp
         row["expert_load_max_over_mean"] = worst         # the worst MoE layer
         return row, extra
 

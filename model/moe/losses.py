@@ -1,4 +1,4 @@
-"""MoE auxiliary losses and routing statistics (conventions fixed in DESIGN.md section 5).
+"""MoE auxiliary losses and routing statistics (docs/load-balancing.md).
 
 Both losses are computed per MoE layer from that layer's routing and averaged over layers by the
 model; they are returned, never stored in globals.

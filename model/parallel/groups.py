@@ -1,7 +1,9 @@
 """The process groups of one job, built once and passed explicitly (no module globals).
 
 Rank layout, fastest-varying first (tensor-parallel peers are neighbours, so they share a node's
-NVLink; pipeline stages are farthest apart, so only point-to-point traffic crosses nodes)::
+NVLink; pipeline stages are farthest apart). Whatever group spans more ranks than a node holds
+crosses the network: with 8 GPUs per node and tp x ep = 8, the data-parallel reduction and the
+pipeline's point-to-point traffic both do (docs/communication.md works it out per recipe)::
 
     rank = ((pp_rank * dp + dp_rank) * ep + ep_rank) * tp + tp_rank
 
@@ -17,11 +19,11 @@ Groups (each a set of ranks that differ only in the named coordinates):
 Sequence parallelism is not a group: with ``sequence_parallel`` the tp group also splits the
 sequence between the tensor-parallel regions (``model/parallel/layers.py``).
 
-Expert parallelism is folded into DeepSpeed's model-parallel group (DESIGN.md section 6,
-option 2 generalized): experts are sharded across ``ep`` like tensor-parallel shards, every other
+Expert parallelism is folded into DeepSpeed's model-parallel group (docs/zero-and-fsdp.md
+says why): experts are sharded across ``ep`` like tensor-parallel shards, every other
 parameter is replicated across ``ep`` with its gradient summed there by ``sync_grad``, and ZeRO
 reduces/shards everything over ``dp`` only. This works at every ZeRO stage with stacked expert
-weights. See README "Parallel layouts".
+weights.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MoE routing semantics (DESIGN.md section 5), single process, fp32 unless stated."""
+"""MoE routing semantics (docs/routers-and-top-k.md), single process, fp32 unless stated."""
 
 import math
 
