@@ -50,7 +50,6 @@ Proven against the single-process control in tests/parallel/test_pipeline_layout
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
