@@ -18,8 +18,9 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   scope also the vocab-parallel embedding (forward), the output head's input gradient (backward)
   and the cross-entropy statistics (max, then target logit + sum of exponentials: 3*b*s).
 * TP with sequence parallelism (Megatron SP): each all-reduce becomes a reduce-scatter of the same
-  b*s*h tensor plus an all-gather of this rank's b*s*h/tp shard, at the same places (a ring
-  all-reduce *is* a reduce-scatter then an all-gather, so the bytes on the wire are the same);
+  b*s*h tensor plus an all-gather of this rank's b*s*h/tp shard (the flat-tensor
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, no per-rank list), at the same places
+  (a ring all-reduce *is* a reduce-scatter then an all-gather: the same bytes on the wire);
   backward gathers once more where column-parallel layers stored only their input's shard (q/k/v,
   gate/up, the output head; not the MoE layer, which stores no gathered input); the norms' weight
   gradients are summed over tp once per backward (per parameter, like sync_grad).
@@ -61,8 +62,14 @@ from tests.distributed import run_ranks  # noqa: E402
 
 # torch.distributed functions that move data; whichever exist in this torch are wrapped.
 COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
-               "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+               "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce_scatter_single", "broadcast",
                "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+# torch 2.13 renamed the flat-tensor collectives (the old names are deprecated aliases): one name
+# per collective in the table whatever the torch. The list APIs keep theirs (all_gather,
+# reduce_scatter), so a return to them shows.
+OP_NAMES = {"all_gather_single": "all_gather_into_tensor",
+            "reduce_scatter_single": "reduce_scatter_tensor"}
 # model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
 HELPERS = ("copy_to_region", "reduce_from_region", "all_to_all", "sync_grad",
            "all_to_all_counts", "all_reduce_sum", "gather_sequence",
@@ -197,7 +204,7 @@ class CommRecorder:
                 return fn(*args, **kwargs)
             self._busy = True
             try:
-                self._record(op, signature.bind(*args, **kwargs).arguments)
+                self._record(OP_NAMES.get(op, op), signature.bind(*args, **kwargs).arguments)
                 return fn(*args, **kwargs)
             finally:
                 self._busy = False
@@ -437,7 +444,7 @@ def _analyse_one(result: dict, s: Sizes) -> list[Row]:
 def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> None:
     """Fill the row's analytic minimum and check the measurement against it."""
     t, h, T, layers, moe, ep = row.traffic, s.hidden, ctx["T"], ctx["layers"], ctx["moe"], ctx["ep"]
-    if t.startswith(("attention", "FFN", "embedding")) and row.op == "all_gather":
+    if t.startswith(("attention", "FFN", "embedding")) and row.op.startswith("all_gather"):
         # Sequence parallelism: each rank contributes its shard of every gathered b*s*h: one
         # per region entry forward, and backward one per region exit plus one per entry by
         # column-parallel layers, which store only the shard and gather it again (Megatron).

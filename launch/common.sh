@@ -115,14 +115,21 @@ launch_deepspeed() {
 
 # Several nodes from a DeepSpeed hostfile ("HOST slots=8" per line): DeepSpeed ssh-es (pdsh) into
 # the first NUM_NODES hosts. It forwards only NCCL_*, PYTHON*, UCX_* and the like to them; the
-# other variables set above travel in ./.deepspeed_env, which it reads at start.
+# other variables set above, and the torch distributed settings and W&B run settings exported
+# by the caller (TORCH_NCCL_*, TORCH_DISTRIBUTED_*, TORCH_CPP_LOG_LEVEL, WANDB_PROJECT/ENTITY/
+# MODE/DIR/BASE_URL), travel in ./.deepspeed_env, which it reads at start. Never the W&B key:
+# put WANDB_API_KEY=... in ~/.deepspeed_env (DeepSpeed reads it too) or run `wandb login` on
+# the first host, where global rank 0, the only rank that talks to W&B, runs.
 launch_deepspeed_hostfile() {
     _parse 3 "HOSTFILE RECIPE CONFIG" "$@"; HOSTFILE=${POS[0]} RECIPE=${POS[1]} CONFIG=${POS[2]}; _train
     local hosts
     hosts=$(awk '!/^[[:space:]]*(#|$)/ {n++} END {print n + 0}' "$HOSTFILE")
     (( hosts >= NUM_NODES )) ||
         die "$HOSTFILE lists $hosts hosts, this script needs $NUM_NODES ('HOST slots=$NPROC_PER_NODE' per line)"
-    (( DRY_RUN )) || _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS
+    local forward
+    mapfile -t forward < <(compgen -e | grep -E \
+        '^(TORCH_NCCL_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
+    (( DRY_RUN )) || _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
     _run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
         ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }

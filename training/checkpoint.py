@@ -9,13 +9,15 @@ Layout under ``<run-dir>/checkpoints/``::
 DeepSpeed's ``save_checkpoint`` is told not to write ``latest`` itself; rank 0 writes it
 (atomically) only after every rank has finished writing its shards, so a run killed mid-save
 resumes from the previous checkpoint instead of a half-written one. Old tags beyond ``keep_last``
-are deleted after the pointer has moved.
+are deleted after the pointer has moved, by rank 0 in a background thread: no rank waits in a
+collective while hundreds of GB are removed.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -47,19 +49,36 @@ def latest_tag(ckpt_dir: Path) -> str | None:
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
     """Save a checkpoint on every rank, then move ``latest`` and prune (rank 0).
 
-    Communicates over the default group (barriers).
+    Communicates over the default group (one barrier: every rank has written its shards before
+    ``latest`` moves). Pruning runs in the background (``wait_for_pruning`` joins it).
     """
     tag = tag_for_step(step)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     comm.barrier()
     if engine.global_rank == 0:
         atomic_write(Path(ckpt_dir) / LATEST, tag)
+        wait_for_pruning()                      # the previous save's deletions, if still running
         tags = sorted(p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.startswith("step"))
-        for old in tags[:-keep_last] if keep_last > 0 else []:
-            if old != tag:
-                shutil.rmtree(Path(ckpt_dir) / old, ignore_errors=True)
-    comm.barrier()
+        old = [Path(ckpt_dir) / t for t in (tags[:-keep_last] if keep_last > 0 else []) if t != tag]
+        if old:
+            _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
+            _PRUNER[0].start()
     return tag
+
+
+_PRUNER: list[threading.Thread | None] = [None]
+
+
+def _remove(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for_pruning() -> None:
+    """Join the background deletion of old checkpoints (rank 0), if one is running."""
+    if _PRUNER[0] is not None:
+        _PRUNER[0].join()
+        _PRUNER[0] = None
 
 
 def universal_tag(ckpt_dir: Path) -> str | None:

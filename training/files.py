@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -14,3 +15,21 @@ def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def wait_for_file(path: Path, what: str, poll_s: float = 0.5, log_every_s: float = 60.0) -> None:
+    """Block until ``path`` exists, printing a line every ``log_every_s`` seconds.
+
+    Ranks wait this way, not in a collective barrier, while one rank does long single-rank work
+    (training the tokenizer, tokenizing a corpus): a barrier would hit the process-group
+    timeout on a large corpus. No timeout here: if the working rank dies, the launcher ends
+    the job.
+    """
+    path = Path(path)
+    start = last = time.monotonic()
+    while not path.exists():
+        time.sleep(poll_s)
+        now = time.monotonic()
+        if now - last >= log_every_s:
+            print(f"waiting for {what} ({now - start:.0f} s)", flush=True)
+            last = now

@@ -38,9 +38,14 @@ class ParallelConfig:
     """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
     expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
     """Which experts an EP rank holds: a contiguous block, or every ep-th expert."""
+    timeout_minutes: float = 30.0
+    """How long any collective may wait before the job fails (every process group's timeout)."""
 
     def __post_init__(self) -> None:
         ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
+        if not self.timeout_minutes > 0:
+            raise ValueError(f"parallel.timeout_minutes ({self.timeout_minutes}) must be > 0: "
+                             f"give the minutes a collective may wait (30 is a good default)")
 
 
 @dataclass(frozen=True)

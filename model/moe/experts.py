@@ -2,12 +2,21 @@
 
 Rows arrive grouped by expert (see ``dispatcher.py``); ``tokens_per_expert`` gives the group
 sizes. ``torch.nn.functional.grouped_mm`` multiplies each group by its own expert's matrix in one
-call, with no Python loop over experts and no padding of every expert to the busiest one. Where
-the kernel does not support the device/dtype (e.g. bf16 matrices whose rows are not 16-byte
-aligned on CPU, or an older torch), a per-expert loop computes the same result.
+call, with no Python loop over experts and no padding of every expert to the busiest one, reading
+the group offsets on the device. Elsewhere a per-expert loop computes the same result from host
+sizes:
+
+* CUDA: torch's grouped kernel runs bf16 on compute capability 9.x/10.x (H100/H200, B200) only.
+  Any other dtype or GPU takes ATen's own fallback, which copies the offsets to the host in each
+  of a layer's nine grouped GEMMs (three forward, six backward); the loop copies the sizes once
+  per layer call, and not at all under expert parallelism, whose exchange already brought them.
+* CPU: torch's kernel (a loop of its own on the host), unless it refuses the operands (e.g. rows
+  that are not 16-byte aligned) or this torch has none (2.9).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -16,49 +25,100 @@ import torch.nn.functional as F
 from model.parallel.groups import ParallelGroups, local_experts
 from model.parallel.layers import check_tp_divides, even_slice, shard_param
 
-# (device type, dtype, 16-byte aligned) cases where the grouped kernel has been seen to fail;
-# filled lazily so that the fallback costs one failed call per process, not one per step.
+# (device type, dtype, 16-byte aligned) cases the grouped kernel refused; filled lazily so that
+# the fallback costs one failed call per process, not one per step.
 _UNSUPPORTED: set[tuple[str, torch.dtype, bool]] = set()
 # torch >= 2.10 has F.grouped_mm; torch 2.9 only the private torch._grouped_mm (same signature).
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# How torch's kernel refuses operands it cannot take: ATen's GroupedMMUtils.h (strides, alignment,
+# dtype), torch 2.9's bf16-only check, and the dispatcher's message for a backend without the
+# kernel. Anything else -- out of memory, a CUDA error (sticky: the context is lost), a shape bug
+# of ours -- propagates instead of switching this process to the loop.
+_REFUSALS = ("strides should be multiple of 16 bytes", "expected data_ptr to be aligned to 16 bytes",
+             "Invalid strides/sizes", "to be Float32, BFloat16 or Float16 matrix",
+             "to be BFloat16 matrix", "Could not run 'aten::_grouped_mm'")
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+class ExpertGroups:
+    """The group sizes of one layer call, shared by its grouped GEMMs: the (E,) device counts,
+    their int32 offsets for the kernel (one cumsum per call), and host sizes for the loop, copied
+    at most once per call (never on the kernel path), or handed in by a caller that has them."""
+
+    def __init__(self, tokens_per_expert: torch.Tensor, sizes: list[int] | None = None):
+        self.counts, self._sizes = tokens_per_expert, sizes
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        return torch.cumsum(self.counts, 0, dtype=torch.int32)             # (E,) group ends
+
+    def sizes(self) -> list[int]:
+        if self._sizes is None:
+            self._sizes = self.counts.tolist()      # the loop's one device-to-host copy
+        return self._sizes
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor,
+               tokens_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
     """Grouped matmul: rows of group e are multiplied by ``w[e]``.
 
     Args:
-        x: (N, K) rows grouped by expert.
+        x: (N, K) rows grouped by expert; rows past the last group (dropped by a capacity) are
+            not read, and their output rows are unspecified.
         w: (E, K, M) one matrix per expert.
-        tokens_per_expert: (E,) group sizes, summing to N.
+        tokens_per_expert: (E,) group sizes, summing to at most N (or their ``ExpertGroups``).
 
     Returns:
         (N, M).
     """
-    # The CPU kernel wants 16-byte aligned rows: a failure on one shape says nothing of the others.
+    groups = (tokens_per_expert if isinstance(tokens_per_expert, ExpertGroups)
+              else ExpertGroups(tokens_per_expert))
+    # The CPU kernel wants 16-byte aligned rows: a refusal of one shape says nothing of the others.
     key = (x.device.type, x.dtype, _aligned(x) and _aligned(w))
-    if _GROUPED_MM is not None and key not in _UNSUPPORTED:
-        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)    # (E,) group ends
+    if _kernel_reads_offsets_on_device(x, w) and key not in _UNSUPPORTED:
         try:
-            return _GROUPED_MM(x, w, offs=offsets)
+            return _GROUPED_MM(x, w, offs=groups.offsets)
         except RuntimeError as err:
-            # Out of memory is not a missing kernel: re-raise it (the trainer reports it) rather
-            # than switch this process to the loop for good.
-            if isinstance(err, torch.OutOfMemoryError) or "DefaultCPUAllocator" in str(err):
+            if not any(m in str(err) for m in _REFUSALS):
                 raise
             _UNSUPPORTED.add(key)
-    return _looped_mm(x, w, tokens_per_expert)
+    return _looped_mm(x, w, groups)
+
+
+def _kernel_reads_offsets_on_device(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch's grouped kernel runs here without a host copy of the offsets."""
+    if _GROUPED_MM is None:
+        return False
+    if x.device.type != "cuda":
+        return True        # the CPU kernel loops on the host: there is no device to wait for
+    # ATen's fast path (_grouped_mm_cuda): bf16 on sm 9.x/10.x; ROCm only with CK builds.
+    return (torch.version.hip is None and x.dtype == w.dtype == torch.bfloat16
+            and _capability(x.device)[0] in (9, 10))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
-def _looped_mm(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Reference/fallback grouped matmul: one matmul per expert."""
-    chunks = torch.split(x, tokens_per_expert.tolist(), dim=0)
+def _looped_mm(x: torch.Tensor, w: torch.Tensor,
+               tokens_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
+    """Reference/fallback grouped matmul: one matmul per expert, from host group sizes (one
+    device-to-host copy per layer call unless the caller handed them in)."""
+    groups = (tokens_per_expert if isinstance(tokens_per_expert, ExpertGroups)
+              else ExpertGroups(tokens_per_expert))
+    sizes = groups.sizes()
+    rest = x.shape[0] - sum(sizes)                  # rows dropped by a capacity, after the groups
+    chunks = torch.split(x, sizes + [rest], dim=0)
     # unbind, not w[e]: its backward stacks the E weight gradients once, where every w[e] would
     # make a zero (E, K, M) gradient of its own (E^2*K*M writes; 24 s/step instead of 1.5 at E=64).
-    return torch.cat([chunk @ w_e for chunk, w_e in zip(chunks, w.unbind(0))], dim=0)
+    out = [chunk @ w_e for chunk, w_e in zip(chunks, w.unbind(0))]
+    if rest:
+        out.append(x.new_zeros(rest, w.shape[-1]))
+    return torch.cat(out, dim=0)
 
 
 class GroupedExperts(nn.Module):
@@ -96,10 +156,13 @@ class GroupedExperts(nn.Module):
             p = nn.Parameter(torch.empty(shape))
             setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)], sharded))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+                sizes: list[int] | None = None) -> torch.Tensor:
         """(N, H) rows grouped by local expert -> (N, H) partial sums over tp: the caller passes
         the input through ``copy_to_region`` and sums the output over tp (``MoELayer`` does both
-        on the T tokens rather than on the k*T rows)."""
-        gate = grouped_mm(x, self.gate_proj, tokens_per_expert)     # (N, I/tp)
-        up = grouped_mm(x, self.up_proj, tokens_per_expert)         # (N, I/tp)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert)   # (N, H) partial
+        on the T tokens rather than on the k*T rows). ``sizes``: ``tokens_per_expert`` on the
+        host, when the caller already has it (the per-expert loop then copies nothing)."""
+        groups = ExpertGroups(tokens_per_expert, sizes)
+        gate = grouped_mm(x, self.gate_proj, groups)                # (N, I/tp)
+        up = grouped_mm(x, self.up_proj, groups)                    # (N, I/tp)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, groups)   # (N, H) partial

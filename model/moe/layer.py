@@ -46,6 +46,20 @@ class MoEAux:
         return counts.max() / counts.mean().clamp_min(1e-9)
 
 
+@dataclass
+class _Splits:
+    """The expert-parallel exchange's sizes: host lists, and the (ep, E_local) received counts."""
+
+    in_splits: list[int]       # rows sent to each rank
+    out_splits: list[int]      # rows received from each rank
+    recv: torch.Tensor         # (ep, E_local) rows received per (source, local expert)
+    expert_sizes: list[int]    # rows received per local expert
+
+    @property
+    def num_send(self) -> int:
+        return sum(self.in_splits)
+
+
 class MoELayer(nn.Module):
     """Mixture-of-experts SwiGLU FFN (Switch or Mixtral semantics, chosen by ``moe``).
 
@@ -84,7 +98,7 @@ class MoELayer(nn.Module):
         # (replicated, or gathered from sequence shards) and sum the T combined tokens out (not
         # the k*T rows). The combine weights then multiply partial outputs, so their (T, k)
         # gradient is summed over tp too. Routing is replicated over tp: every tp rank routes
-        # the same T tokens the same way.
+        # the same T tokens the same way (with the same jitter noise: see ``TopKRouter``).
         if g.sequence_parallel:
             x = enter_tp_region(x, g)                                       # (B, S, H) gathered
             # The gathered x's gradient is summed over tp by the reduce-scatter; the router's
@@ -96,15 +110,20 @@ class MoELayer(nn.Module):
         x, router_in = x.reshape(-1, shape[-1]), router_in.reshape(-1, shape[-1])   # (T, H)
         num_tokens = x.shape[0]
         total_tokens = num_tokens * ep                                      # the micro-batch's T
-        routing = Routing(*self.gate(router_in))
+        # Jitter noise per micro-batch sample (this ep rank's come after the lower ranks'), so
+        # that every layout draws the unsharded model's noise (see ``TopKRouter``).
+        routing = Routing(*self.gate(router_in, first_sample=g.ep_rank * shape[0],
+                                     num_samples=shape[0]))
         capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
         # Plan in rank order of experts (the identity without expert parallelism).
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
-        rows = dispatcher.permute(x, plan)                                  # (N, H) by expert position
         if ep > 1:
-            y = self._exchange(rows, plan.tokens_per_expert)
+            splits = self._exchange_counts(plan.tokens_per_expert)          # the one host copy
+            rows = dispatcher.permute(x, plan, splits.num_send)             # (N, H) kept rows
+            y = self._exchange(rows, splits)                                # (N, H) partial over tp
         else:
-            y = self._experts(rows, plan.tokens_per_expert)                 # (N, H) partial over tp
+            rows = dispatcher.permute(x, plan)                              # (k*T, H) dropped last
+            y = self._experts(rows, plan.tokens_per_expert)                 # (k*T, H) partial
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
         out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
@@ -119,33 +138,48 @@ class MoELayer(nn.Module):
             entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach())
         return out, aux
 
-    def _experts(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+    def _experts(self, rows: torch.Tensor, per_expert: torch.Tensor,
+                 sizes: list[int] | None = None) -> torch.Tensor:
         if self.checkpoint_experts and self.training:
-            return torch.utils.checkpoint.checkpoint(self.experts, rows, per_expert, use_reentrant=False)
-        return self.experts(rows, per_expert)
+            return torch.utils.checkpoint.checkpoint(self.experts, rows, per_expert, sizes,
+                                                     use_reentrant=False)
+        return self.experts(rows, per_expert, sizes)
 
-    def _exchange(self, rows: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+    def _exchange_counts(self, per_expert: torch.Tensor) -> _Splits:
+        """Steps 1-2 of the exchange (see ``_exchange``): the counts, and the split sizes on the
+        host, which the uneven all-to-all needs there: send and receive tables come over in one
+        device-to-host copy, the layer's only one."""
+        g, e_local = self.groups, self.experts.num_experts
+        send = per_expert.view(g.ep, e_local)                               # (ep, E_local)
+        recv = comm.all_to_all_counts(send, g.ep_group)                     # (ep, E_local)
+        send_host, recv_host = torch.stack((send, recv)).tolist()           # (2, ep, E_local)
+        return _Splits(in_splits=[sum(row) for row in send_host],
+                       out_splits=[sum(row) for row in recv_host], recv=recv,
+                       expert_sizes=[sum(col) for col in zip(*recv_host)])
+
+    def _exchange(self, rows: torch.Tensor, s: _Splits) -> torch.Tensor:
         """Send each row to the rank holding its expert, run the local experts, send back.
 
-        1. ``per_expert`` (E,) counts this rank's rows per expert, in rank order; viewed as
-           (ep, E_local), row j is what goes to rank j.
-        2. Exchange the counts (all-to-all), so each rank knows how many rows it receives from
-           each source for each of its experts, then the rows themselves (uneven splits).
+        1. (``_exchange_counts``, before the rows are permuted) ``per_expert`` (E,) counts this
+           rank's kept rows per expert, in rank order; viewed as (ep, E_local), row j is what
+           goes to rank j. Exchange the counts (all-to-all), so each rank knows how many rows it
+           receives from each source for each of its experts; copy both tables to the host.
+        2. Exchange the rows (uneven splits).
         3. Received rows are grouped by (source, local expert); a stable sort by local expert
            makes each expert's rows contiguous for the grouped GEMM (local, no communication).
         4. Undo the sort and the exchange for the outputs.
         """
         g, e_local = self.groups, self.experts.num_experts
-        send = per_expert.view(g.ep, e_local)                               # (ep, E_local)
-        recv = comm.all_to_all_counts(send, g.ep_group)                     # (ep, E_local)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = comm.all_to_all(rows, out_splits, in_splits, g.ep_group)   # (N_recv, H)
+        received = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group)   # (N_recv, H)
         local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
-        row_expert = torch.repeat_interleave(local_id, recv.flatten())      # (N_recv,)
+        row_expert = torch.repeat_interleave(local_id, s.recv.flatten(),
+                                             output_size=received.shape[0])  # (N_recv,)
         order = torch.argsort(row_expert, stable=True)
-        y = self._experts(received.index_select(0, order), recv.sum(0))     # (N_recv, H)
-        y = y.index_select(0, torch.argsort(order))                         # back to source order
-        return comm.all_to_all(y, in_splits, out_splits, g.ep_group)        # (N, H)
+        y = self._experts(received.index_select(0, order), s.recv.sum(0), s.expert_sizes)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                          device=order.device))
+        y = y.index_select(0, inverse)                                      # back to source order
+        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group)    # (N, H)
 
 
 def _at_rank(groups: ParallelGroups, ep_rank: int) -> ParallelGroups:

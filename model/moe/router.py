@@ -21,6 +21,8 @@ from model.parallel import comm
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import replicated
 
+_MASK64 = (1 << 64) - 1
+
 
 @dataclass
 class Routing:
@@ -33,8 +35,7 @@ class Routing:
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool,
-          jitter: float = 0.0, training: bool = False,
-          generator: torch.Generator | None = None) -> Routing:
+          noise: torch.Tensor | None = None) -> Routing:
     """Route tokens to experts.
 
     Args:
@@ -42,18 +43,14 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
         gate_weight: (E, H) router weight.
         top_k: experts per token.
         normalize: renormalize the top-k probabilities to sum to 1 (Mixtral) or keep them (Switch).
-        jitter: multiplicative noise eps; the router input is scaled by U(1-eps, 1+eps) in
-            training only (Switch Transformer's "jitter noise"). Only the router sees the noise;
-            the experts get the clean activations.
-        training: whether the module is in training mode.
-        generator: optional RNG for the jitter.
+        noise: (T, H) multiplicative jitter for the router input (``jitter_noise``), or None.
+            Only the router sees it; the experts get the clean activations.
 
     Returns:
         The routing decision, all router math in fp32.
     """
     x32 = x.float()
-    if training and jitter > 0:
-        noise = torch.empty_like(x32).uniform_(1.0 - jitter, 1.0 + jitter, generator=generator)
+    if noise is not None:
         x32 = x32 * noise
     logits = F.linear(x32, gate_weight.float())                  # (T, E) fp32
     probs = torch.softmax(logits, dim=-1)                        # (T, E)
@@ -63,12 +60,63 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
     return Routing(logits=logits, probs=probs, expert_idx=expert_idx, weights=weights)
 
 
+def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first_sample: int = 0,
+                 num_samples: int = 1) -> torch.Tensor:
+    """Switch Transformer's jitter: U(1-eps, 1+eps) noise of ``shape`` (T, H), fp32, for T tokens
+    made of ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
+    micro-batch.
+
+    One base seed per call comes from the default CPU generator (a host draw: no device sync),
+    and each sample's noise from its own stream, seeded by (base, sample index). Why:
+
+    * Recomputation: ``torch.utils.checkpoint`` restores the default generators, and only
+      them, before it re-runs a checkpointed block or MoE layer in backward, so the recomputed
+      forward draws the same base and routes exactly as the first one. A generator of the
+      model's own would have advanced (and under expert parallelism the recomputed exchange
+      would send other rows than the first).
+    * Replication over tp: the tp ranks of a group route the same tokens, and the row-parallel
+      sum adds their partial outputs of the same experts, so they must draw the same noise:
+      their default generators must be seeded alike, from every rank coordinate but tp
+      (Megatron's convention). A generator handed in by the caller would advance between a
+      forward and its recomputation, and a seed set per micro-batch would have changed by then
+      under the pipeline's 1F1B schedule (a later micro-batch's forward runs before an earlier
+      one's recomputation). The model cannot verify the seeding without a collective per
+      layer; ``comm.replica_divergence`` of the layers' ``MoEAux.tokens_per_expert`` over tp
+      does, when the trainer asks.
+    * Layout: each sample's stream depends only on its index in the micro-batch, so with the
+      seed also independent of the ep rank, an ep rank draws for its samples exactly what the
+      unsharded model draws for them, and every tp/ep/sequence-parallel layout routes as one GPU.
+      Cost: one reseed and one ``uniform_`` per local sample (1 in the Switch recipes at EP8).
+
+    Drawing the (T, H) noise on tp rank 0 and broadcasting it would need no seeding convention,
+    but costs a T*H collective per MoE layer, as much as the layer's activations.
+    """
+    base = int(torch.randint(1 << 62, (1,)).item())      # default CPU generator, a host value
+    gen = torch.Generator(device=device)
+    noise = torch.empty((num_samples, shape[0] // num_samples, shape[1]), device=device,
+                        dtype=torch.float32)                            # (B, S, H)
+    for b in range(num_samples):
+        gen.manual_seed(_mix(base, first_sample + b))
+        noise[b].uniform_(1.0 - eps, 1.0 + eps, generator=gen)
+    return noise.view(shape)                                             # (T, H)
+
+
+def _mix(base: int, index: int) -> int:
+    """SplitMix64 of (base, index): independent 63-bit seeds for neighbouring indices."""
+    z = (base + 0x9E3779B97F4A7C15 * (index + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 class TopKRouter(nn.Module):
     """The router's (E, H) weight and ``route`` as one module.
 
     The weight is only read inside this module's ``forward``, and ``forward`` returns plain
     tensors: ZeRO-3 gathers a partitioned parameter around its module's forward and, for the
     backward, hooks the module's tensor outputs (it cannot see tensors inside a dataclass).
+    In training with ``jitter > 0`` the input is scaled by ``jitter_noise`` (see there for how
+    the noise stays the same on every tp rank and under recomputation).
 
     Args:
         hidden_size: H.
@@ -76,6 +124,7 @@ class TopKRouter(nn.Module):
         top_k: experts per token.
         normalize: renormalize the top-k probabilities (Mixtral) or not (Switch).
         jitter: multiplicative router-input noise in training.
+        groups: process groups (the weight is replicated over tp and ep).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool,
@@ -85,8 +134,13 @@ class TopKRouter(nn.Module):
         self.weight = replicated(nn.Parameter(torch.empty(num_experts, hidden_size)), groups)
         self.top_k, self.normalize, self.jitter = top_k, normalize, jitter
 
-    def forward(self, x: torch.Tensor):
-        """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32)."""
+    def forward(self, x: torch.Tensor, first_sample: int = 0, num_samples: int = 1):
+        """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32). ``x`` holds
+        ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
+        micro-batch (for the jitter noise)."""
         weight = comm.sync_grad(self.weight, self.groups.ep_group)   # replicated over ep
-        r = route(x, weight, self.top_k, self.normalize, self.jitter, self.training)
+        noise = None
+        if self.training and self.jitter > 0:
+            noise = jitter_noise(tuple(x.shape), self.jitter, x.device, first_sample, num_samples)
+        r = route(x, weight, self.top_k, self.normalize, noise)
         return r.logits, r.probs, r.expert_idx, r.weights

@@ -1,4 +1,5 @@
-"""Plain collectives used outside the model (trainer statistics, barriers).
+"""Plain collectives used outside the model (trainer statistics, replica checks, barriers), and
+the model's autograd communication pairs.
 
 Every ``torch.distributed`` call of the repo lives in ``model/parallel/``; process groups are passed
 explicitly, and ``None`` means a group of one rank: no communication (``ParallelGroups`` holds
@@ -31,6 +32,39 @@ def barrier() -> None:
     """Wait for every rank of the job."""
     if _world():
         dist.barrier()
+
+
+def job_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over every rank of the job in place and return it."""
+    if _world():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def replica_divergence(tensors, group=None) -> torch.Tensor:
+    """How far apart the copies of ``tensors`` that should be identical over ``group`` are, e.g.
+    the router weights over tp (``[m.gate.weight for m in model.modules() if isinstance(m,
+    MoELayer)]``), whose routing must agree on every tp rank, or the routing itself (each MoE
+    layer's ``MoEAux.tokens_per_expert``).
+
+    Communicates over ``group`` with one all-reduce (MAX) of a (2, 2n) fp64 fingerprint (each
+    tensor's sum and sum of squares, and their negatives), never the tensors themselves. Returns a
+    0-dim fp64 tensor on the tensors' device, the largest (max - min) over the group of any
+    fingerprint entry, without a host copy (put it in the step's statistics): 0.0 when the copies
+    are bitwise equal (the same shapes on the same kind of device reduce in the same order), and
+    otherwise the size of the drift, not an element-wise bound. Under ZeRO-3 a parameter is empty
+    outside its module's forward: pass its partition (DeepSpeed's ``ds_tensor``), the same slice
+    on every tp peer.
+    """
+    f64 = torch.float64
+    tensors = [t.detach() if t.is_floating_point() else t.detach().to(f64) for t in tensors]
+    fingerprint = torch.stack([torch.stack((torch.sum(t, dtype=f64),
+                                            torch.linalg.vector_norm(t, dtype=f64) ** 2))
+                               for t in tensors]).flatten()                 # (2n,)
+    both = torch.stack((fingerprint, -fingerprint))                         # (2, 2n)
+    if _active(group):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return (both[0] + both[1]).max()                                        # max - min
 
 
 def all_to_all_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
@@ -76,18 +110,47 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
+# torch 2.13 renamed the flat-tensor collectives (``all_gather_into_tensor`` ->
+# ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``, the old names
+# now deprecated aliases); torch 2.9 has only the old ones. Looked up per call, so that a wrapper
+# around ``torch.distributed`` (benchmarks/comm_volume.py) sees them.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                   else "reduce_scatter_tensor")
+
+
 def gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """All-gather the ranks' shards of ``x`` and concatenate them along ``dim`` (no autograd)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    """All-gather the ranks' equal shards of ``x`` and concatenate them along ``dim`` (no autograd).
+
+    One flat ``all_gather_into_tensor``, whose output concatenates the shards along dim 0, viewed
+    as (tp, *x.shape). Our activations are (B, S, H), not Megatron's sequence-first (S, B, H), so
+    moving the rank dim next to ``dim`` is free when every dim before ``dim`` has size 1 (B = 1)
+    and one copy otherwise. The list API cost more: NCCL gathers into a flat buffer of its own,
+    copies it out into the tp temporaries, and ``torch.cat`` copies again. gloo implements both
+    flat collectives (since torch 2.2; checked on 2.13), so there is no list fallback: NCCL and
+    gloo take the same path.
+    """
+    x = x.contiguous()
+    tp = dist.get_world_size(group)
+    # The concatenated form (gloo accepts no other): rank r's shard is the r-th block of dim 0.
+    out = x.new_empty((tp * x.shape[0],) + tuple(x.shape[1:]))
+    getattr(dist, _ALL_GATHER)(out, x, group=group)
+    out = out.unflatten(0, (tp, -1))                                     # (tp, ..., shard, ...)
+    return out.movedim(0, dim).flatten(dim, dim + 1)                     # (..., tp * shard, ...)
 
 
 def reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Sum ``x`` over the group and keep this rank's chunk along ``dim`` (no autograd)."""
-    chunks = [c.contiguous() for c in x.chunk(dist.get_world_size(group), dim=dim)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    """Sum ``x`` over the group and keep this rank's chunk along ``dim`` (no autograd).
+
+    One flat ``reduce_scatter_tensor``: rank r's chunk must be the r-th block of dim 0, so ``x``
+    is viewed as (..., tp, chunk, ...) and the rank dim moved first (free when every dim before
+    ``dim`` has size 1, one copy otherwise, where the list API copied each chunk and NCCL copied
+    them again into a flat buffer).
+    """
+    tp = dist.get_world_size(group)
+    blocks = x.unflatten(dim, (tp, -1)).movedim(dim, 0).contiguous()    # (tp, ..., chunk, ...)
+    out = x.new_empty(blocks.shape[1:])
+    getattr(dist, _REDUCE_SCATTER)(out, blocks.flatten(0, 1), group=group)   # concatenated form
     return out
 
 

@@ -29,6 +29,7 @@ weights.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -107,11 +108,12 @@ class ParallelGroups:
 
 
 def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = "contiguous",
-                 sequence_parallel: bool = False) -> ParallelGroups:
+                 sequence_parallel: bool = False, timeout: timedelta | None = None) -> ParallelGroups:
     """Create every group on every rank (``new_group`` is collective) and keep this rank's.
 
     Communicates over the default group. With one process, returns all-``None`` groups. The
-    degrees are checked by ``ParallelDims`` (``model/parallel/dims.py``).
+    degrees are checked by ``ParallelDims`` (``model/parallel/dims.py``). ``timeout`` is each
+    group's collective timeout (torch's default when None).
     ``sequence_parallel`` takes effect only with tp > 1 (see ``model/parallel/layers.py``).
     """
     if expert_placement not in ("contiguous", "round_robin"):
@@ -146,7 +148,7 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = 
             key = tuple(c[a] for a in ("tp", "ep", "dp", "pp") if a not in free)
             buckets.setdefault(key, []).append(r)
         for ranks in buckets.values():
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 out._ranks[name] = ranks
                 out._handles[name] = group

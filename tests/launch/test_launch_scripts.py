@@ -53,7 +53,8 @@ def _slurm_env(tmp_path: Path, nodes: int = 8) -> dict:
 def _run(script: str, *args: str, env: dict | None = None, cwd: Path = REPO,
          dry_run: bool = True) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT", "NPROC")}
+            if not k.startswith(("SLURM_", "WANDB_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_"))
+            and k not in ("MASTER_ADDR", "MASTER_PORT", "NPROC", "TORCH_CPP_LOG_LEVEL")}
     argv = ["bash", str(REPO / "launch" / script), *(["--dry-run"] if dry_run else []), *args]
     return subprocess.run(argv, cwd=cwd, env={**base, **(env or {})}, capture_output=True,
                           text=True, timeout=30)
@@ -179,7 +180,8 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
     arguments, from any directory, and writes the variables pdsh does not forward into
     ./.deepspeed_env, keeping the lines it does not own."""
     env = {**_fake_bin(tmp_path, "deepspeed", 'echo "$@"; echo "OMP=$OMP_NUM_THREADS NCCL=$NCCL_DEBUG"\n'),
-           "OMP_NUM_THREADS": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "INFO"}
+           "OMP_NUM_THREADS": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "INFO",
+           "TORCH_NCCL_BLOCKING_WAIT": "1", "WANDB_PROJECT": "p", "WANDB_API_KEY": "secret"}
     (tmp_path / ".deepspeed_env").write_text("MY_VAR=1\nOMP_NUM_THREADS=99\n")
     hostfile, recipe, config = _hostfile(tmp_path, 2), str(REPO / RECIPE), str(REPO / CONFIG)
     proc = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path, dry_run=False)
@@ -188,8 +190,10 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
     assert shlex.split(argv_line)[:7] == ["--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "8",
                                           str(REPO / "launch" / "train.py")]
     assert env_line == "OMP=3 NCCL=INFO"
+    # torch distributed and W&B run settings reach the remote ranks; the W&B key never is written.
     assert (tmp_path / ".deepspeed_env").read_text().splitlines() == [
-        "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3"]
+        "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3", "TORCH_NCCL_BLOCKING_WAIT=1",
+        "WANDB_PROJECT=p"]
     # The dry run prints the same command and leaves .deepspeed_env alone.
     (tmp_path / ".deepspeed_env").write_text("MY_VAR=2\n")
     dry = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path)

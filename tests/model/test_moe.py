@@ -66,14 +66,16 @@ def test_dispatch_plan_matches_written_table():
     # The docstring example of dispatcher.py.
     expert_idx = torch.tensor([[0, 1], [0, 2], [0, 1], [2, 0]])
     plan = dispatcher.plan_dispatch(expert_idx, num_experts=3, capacity=2)
-    assert plan.token_idx.tolist() == [0, 1, 0, 2, 3, 1]
-    assert plan.slot_idx.tolist() == [0, 0, 1, 1, 0, 1]
+    # k*T rows whatever the capacity keeps: the 6 kept by expert, then the 2 dropped.
+    assert plan.token_idx.tolist() == [0, 1, 0, 2, 3, 1, 2, 3]
+    assert plan.slot_idx.tolist() == [0, 0, 1, 1, 0, 1, 0, 1]
+    assert plan.row_kept.tolist() == [True] * 6 + [False] * 2
     assert plan.tokens_per_expert.tolist() == [2, 2, 2]
     assert plan.routed_per_expert.tolist() == [4, 2, 2]
     assert plan.num_dropped.item() == 2
     dropless = dispatcher.plan_dispatch(expert_idx, num_experts=3)
     assert dropless.token_idx.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
-    assert dropless.tokens_per_expert.tolist() == [4, 2, 2]
+    assert dropless.tokens_per_expert.tolist() == [4, 2, 2] and dropless.row_kept is None
 
 
 def test_switch_capacity_drops_exactly_the_rule():
@@ -264,3 +266,183 @@ def test_grouped_mm_fallback_is_narrow_and_out_of_memory_is_not_swallowed(monkey
     monkeypatch.setattr(experts, "_GROUPED_MM", unsupported)
     torch.testing.assert_close(experts.grouped_mm(x, w, counts), _looped_mm(x, w, counts))
     assert experts._UNSUPPORTED == {("cpu", torch.float32, True)}
+
+
+# ------------------------------------------------------------------------------ host syncs
+
+class HostSyncs:
+    """Records every call that copies device data to the host, a sync on CUDA, as (op, model
+    function issuing it): ``Tensor.tolist/cpu/numpy`` (seen by a TorchFunctionMode), and at the
+    ATen level, forward and backward, ``item``/``bool`` (``_local_scalar_dense``), ``nonzero``,
+    ``bincount``, ``masked_select``, ``unique``, boolean-mask indexing and ``repeat_interleave``
+    without ``output_size``. On CPU nothing is copied, so the calls are what is counted."""
+
+    ATEN = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "_unique2",
+            "unique_dim", "unique_consecutive"}
+    METHODS = {"tolist", "cpu", "numpy"}
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.calls: list[tuple[str, str]] = []
+        record = self._record
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in HostSyncs.METHODS:
+                    record(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        class Aten(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(getattr(func, "_overloadpacket", None), "__name__", str(func))
+                if (name in HostSyncs.ATEN
+                        or (name == "repeat_interleave" and kwargs.get("output_size") is None)
+                        or (name in ("index", "index_put", "index_put_") and any(
+                            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]))):
+                    record(name)
+                return func(*args, **kwargs)
+
+        self._modes = (Functions(), Aten())
+
+    def _record(self, op: str) -> None:
+        import os
+        import sys
+
+        import model
+        package = os.path.dirname(model.__file__) + os.sep
+        f, where = sys._getframe(2), "backward"      # autograd's C++ nodes have no model frame
+        while f is not None:
+            if f.f_code.co_filename.startswith(package):
+                where = f.f_code.co_qualname
+                break
+            f = f.f_back
+        self.calls.append((op, where))
+
+    def __enter__(self):
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+
+
+def _forward_backward_syncs(layer: MoELayer, x: torch.Tensor) -> list[tuple[str, str]]:
+    """The host syncs of one training forward+backward of ``layer``."""
+    layer.train()
+    with HostSyncs() as syncs:
+        out, aux = layer(x)
+        (out.square().sum() + aux.aux_loss + aux.z_loss).backward()
+    return syncs.calls
+
+
+SYNC_CASES = {   # name: (config, host syncs on the grouped kernel path)
+    "dropless": (MoEConfig(num_experts=4, top_k=2, capacity_factor=None), []),
+    "capacity": (MoEConfig(num_experts=4, top_k=1, capacity_factor=1.0, normalize_top_k=False,
+                           router_jitter=0.0), []),
+    # The jitter's base seed is a draw of the default CPU generator: a host value, no device.
+    "capacity+jitter": (MoEConfig(num_experts=4, top_k=1, capacity_factor=1.0,
+                                  normalize_top_k=False, router_jitter=0.5),
+                        [("_local_scalar_dense", "jitter_noise")]),
+}
+# The per-expert loop (no grouped kernel here, or a CUDA dtype/GPU without it) copies the
+# group sizes to the host once per layer call (it used to be once per projection: 3).
+LOOP_SYNC = ("tolist", "ExpertGroups.sizes")
+
+
+@pytest.mark.parametrize("case", sorted(SYNC_CASES))
+@pytest.mark.parametrize("path", ["kernel", "loop"])
+def test_moe_layer_forward_backward_host_syncs_single_process(case, path, monkeypatch):
+    from model.moe import experts
+    moe, expected = SYNC_CASES[case]
+    monkeypatch.setattr(experts, "_UNSUPPORTED", set())
+    if path == "loop":
+        monkeypatch.setattr(experts, "_GROUPED_MM", None)
+        expected = expected + [LOOP_SYNC]
+    else:
+        why_not = _kernel_unavailable(torch.randn(8, H), torch.randn(4, H, I), torch.tensor([2, 2, 2, 2]))
+        if why_not is not None:
+            pytest.skip(why_not)
+    layer = _layer(moe)
+    x = torch.randn(2, 16, H, requires_grad=True)
+    assert sorted(_forward_backward_syncs(layer, x)) == sorted(expected)
+    out, aux = layer(x)
+    if moe.capacity_factor is not None:        # the dropped rows' path ran, and leaked nothing
+        assert aux.dropped_frac.item() > 0
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_capacity_drops_are_the_same_on_the_kernel_and_the_loop(monkeypatch):
+    # The kernel leaves the dropped rows (past its last offset) unwritten, forward and backward;
+    # the loop gives them zeros. Output and every gradient must agree, with no NaN from the tail.
+    from model.moe import experts
+    moe = MoEConfig(num_experts=4, top_k=2, capacity_factor=0.5)
+    x = torch.randn(2, 16, H)
+    results = []
+    for kernel in (experts._GROUPED_MM, None):
+        monkeypatch.setattr(experts, "_GROUPED_MM", kernel)
+        monkeypatch.setattr(experts, "_UNSUPPORTED", set())
+        layer = _layer(moe)
+        xi = x.clone().requires_grad_()
+        out, aux = layer(xi)
+        (out.square().sum() + aux.aux_loss).backward()
+        assert aux.dropped_frac.item() > 0.3
+        results.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _ep2_host_syncs(rank, world):
+    from model.moe import experts
+    from model.parallel.groups import build_groups
+    groups = build_groups(ep=2)
+    kernel = experts._GROUPED_MM
+    for case in ("dropless", "capacity"):
+        moe, _ = SYNC_CASES[case]
+        for path in ("kernel", "loop"):
+            experts._GROUPED_MM = kernel if path == "kernel" else None
+            torch.manual_seed(0)
+            layer = MoELayer(moe, H, I, groups)
+            for p in layer.parameters():
+                torch.nn.init.normal_(p, std=0.3)
+            x = torch.randn(2, 16, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+            # One copy per exchange: the send and receive counts together; the loop gets the
+            # sizes from it (the backward exchange reuses the host splits).
+            got = _forward_backward_syncs(layer, x)
+            assert got == [("tolist", "MoELayer._exchange_counts")], (case, path, got)
+    experts._GROUPED_MM = kernel
+
+
+def test_moe_layer_forward_backward_host_syncs_ep2():
+    from tests.distributed import run_ranks
+    run_ranks(_ep2_host_syncs, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_layer_device_syncs_on_gpu(dtype):
+    """CUDA's own detector (``set_sync_debug_mode``) counts the synchronizing calls of a training
+    forward+backward: none for bf16 on sm 9.x/10.x (the grouped kernel reads the offsets on the
+    device), one (the loop's group sizes) for fp32 and on other GPUs."""
+    import warnings
+    kernel = dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] in (9, 10)
+    for case in sorted(SYNC_CASES):
+        layer = _layer(SYNC_CASES[case][0]).to("cuda", dtype).train()
+        x = torch.randn(2, 64, H, device="cuda", dtype=dtype, requires_grad=True)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out, aux = layer(x)
+                (out.float().square().sum() + aux.aux_loss + aux.z_loss).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == (0 if kernel else 1), (case, dtype, syncs)
+        assert torch.isfinite(x.grad).all(), case

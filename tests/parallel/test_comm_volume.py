@@ -43,12 +43,13 @@ def test_sequence_parallel_block_replaces_each_all_reduce_by_reduce_scatter_plus
     # gathers q/k/v's input once more (stored as a shard, Megatron); the MoE layer stores none.
     got = {(r.traffic, r.op, r.count, r.elements)
            for r in _rows(rows, "tp2-sp/mixtral", "block", phase) if r.per_token}
+    # The flat-tensor collectives: one call each, no per-rank list of temporaries.
     want = {(t, op, 1, n) for t in ("attention in/out (TP)", "FFN in/out (TP)")
-            for op, n in (("all_gather", BSH // 2), ("reduce_scatter", BSH))}
+            for op, n in (("all_gather_into_tensor", BSH // 2), ("reduce_scatter_tensor", BSH))}
     if phase == "backward":     # the router's combine weights multiply partial expert outputs
         want.add(("routing-weight grad (TP)", "all_reduce", 1, SIZES.batch * SIZES.seq * SIZES.top_k))
-        want.remove(("attention in/out (TP)", "all_gather", 1, BSH // 2))
-        want.add(("attention in/out (TP)", "all_gather", 2, BSH))
+        want.remove(("attention in/out (TP)", "all_gather_into_tensor", 1, BSH // 2))
+        want.add(("attention in/out (TP)", "all_gather_into_tensor", 2, BSH))
     assert got == want
     norms = [r for r in _rows(rows, "tp2-sp/mixtral", "block", phase) if not r.per_token]
     assert [(r.count, r.where) for r in norms] == ([(2, "input_layernorm.weight, post_attention_"

@@ -4,7 +4,8 @@ unsharded reference, on 2 and 4 gloo ranks.
 Every rank builds the full reference model and the sharded one from the same seed and feeds both
 the same micro-batch. Checked: init (each shard equals the reference's slice exactly), the loss,
 the router losses, and every gradient (each shard's gradient equals the reference gradient's
-slice). Tolerance: fp32, the sharded model sums the same products in a different order (split
+slice); with router jitter, seeded as the trainer seeds each step, the same again (the noise, and
+so the routing, is the unsharded model's at every layout). Tolerance: fp32, the sharded model sums the same products in a different order (split
 matmuls, all-reduces), ~1e-7 relative per op; 1e-5 absolute on O(1) values covers 2 layers.
 """
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from model import DenseConfig, MixtralConfig, SwitchConfig, Transformer
 from model.config import MoEConfig
+from model.moe.layer import MoELayer
 from model.parallel import comm
 from model.parallel.groups import build_groups
 from model.parallel.layers import take_shard
@@ -34,7 +36,28 @@ def _configs():
     }
 
 
-def _check(cfg, groups, tag, checkpointing="none"):
+def _switch_with_jitter(jitter: float):
+    """Switch (top-1, dropless) with router jitter: the routing depends on the noise."""
+    moe = MoEConfig(num_experts=4, top_k=1, normalize_top_k=False, moe_layer_freq=2,
+                    router_jitter=jitter, capacity_factor=None, eval_capacity_factor=None)
+    return SwitchConfig(**SIZES, moe=moe).validate()
+
+
+def _trainer_seed(groups, step: int = 1) -> int:
+    """The trainer's per-step seed: the same on every rank of a data/pipeline replica (tp and ep
+    ranks excluded), as the jitter noise needs to match the unsharded model's (``jitter_noise``)."""
+    return 1234 * 1_000_003 + step * 7919 + groups.pp_rank * groups.dp + groups.dp_rank
+
+
+def _run(model, ids, labels, seed):
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model(ids, labels)
+
+
+def _check(cfg, groups, tag, checkpointing="none", seed=None):
+    """``seed``: seed the default generators before each model's forward, as the trainer does
+    each step (the router jitter draws from them); then the loss must match to 1e-6 relative."""
     ref = Transformer(cfg, None, init_seed=7)
     par = Transformer(cfg, groups, init_seed=7)
     par.set_activation_checkpointing(checkpointing)    # recompute re-issues the collectives
@@ -47,12 +70,17 @@ def _check(cfg, groups, tag, checkpointing="none"):
     labels = torch.randint(0, cfg.vocab_size, (4, 16), generator=gen)
     seen = []   # the residual stream a block receives: (B, S/tp, H) under sequence parallelism
     par.layers[1].register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))
-    out_ref, out_par = ref(ids, labels), par(ids, labels)
+    out_ref, out_par = _run(ref, ids, labels, seed), _run(par, ids, labels, seed)
     split = groups.tp if groups.sequence_parallel else 1
     assert seen == [(4 // groups.ep, 16 // split, cfg.hidden_size)], (tag, seen)
     # Mean over the micro-batch's 64 target tokens, so values and gradients are O(1).
-    (out_ref.ce_sum / 64 + ref.router_loss(out_ref)).backward()
-    (out_par.ce_sum / 64 + par.router_loss(out_par)).backward()
+    loss_ref = out_ref.ce_sum / 64 + ref.router_loss(out_ref)
+    loss_par = out_par.ce_sum / 64 + par.router_loss(out_par)
+    loss_ref.backward()
+    loss_par.backward()
+    if seed is not None:      # an ep rank's loss is its share of the micro-batch's
+        total = comm.all_reduce_sum(loss_par.detach().clone(), groups.ep_group)
+        assert abs(total - loss_ref).item() <= 1e-6 * abs(loss_ref).item(), (tag, total, loss_ref)
 
     # The ce of an ep rank covers its slice of the batch; tp ranks each hold the full value.
     ce = comm.all_reduce_sum(out_par.ce_sum.detach().clone(), groups.ep_group)
@@ -93,6 +121,36 @@ def _two_ranks(rank, world):
     t = torch.tensor([float(rank)])
     assert comm.all_reduce_sum(t.clone(), tp2.tp_group).item() == 1.0
     assert tp2.dp == 1 and ep2.dp == 1 and tp2.ep_group is None and ep2.tp_group is None
+    _jitter_two_ranks(tp2, sp, ep2)
+
+
+def _jitter_two_ranks(tp2, sp, ep2):
+    """Router jitter: with the trainer's seeds every layout routes as the unsharded model (the
+    recomputation of a checkpointed block too); seeded per tp rank, tp peers route differently,
+    which ``replica_divergence`` shows, as it shows a drifted router weight."""
+    seed = _trainer_seed(tp2)
+    for jitter in (0.01, 0.5):
+        cfg = _switch_with_jitter(jitter)
+        _check(cfg, tp2, f"tp2/switch-jitter-{jitter}", seed=seed)
+        _check(cfg, sp, f"tp2-sp/switch-jitter-{jitter}", seed=seed)
+        _check(cfg, ep2, f"ep2/switch-jitter-{jitter}", seed=seed)
+    cfg = _switch_with_jitter(0.5)
+    _check(cfg, sp, "tp2-sp/switch-jitter/full-checkpointing", "full", seed=seed)
+    _check(cfg, tp2, "tp2/switch-jitter/moe-checkpointing", "moe", seed=seed)
+
+    model = Transformer(cfg, tp2, init_seed=7)
+    ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(3))
+    routers = [m.gate.weight for m in model.modules() if isinstance(m, MoELayer)]
+
+    def routing_divergence(seed):
+        aux = _run(model, ids, ids, seed).moe_aux
+        return comm.replica_divergence([a.tokens_per_expert for a in aux], tp2.tp_group).item()
+    assert routing_divergence(seed) == 0.0
+    assert routing_divergence(seed + tp2.tp_rank) > 0       # the old trainer's seed + rank
+    assert comm.replica_divergence(routers, tp2.tp_group).item() == 0.0
+    with torch.no_grad():
+        routers[0][0, 0] += 1e-3 * tp2.tp_rank
+    assert comm.replica_divergence(routers, tp2.tp_group).item() >= 0.9e-3
 
 
 def _four_ranks(rank, world):
@@ -113,6 +171,9 @@ def _four_ranks(rank, world):
     dp2 = build_groups(tp=2)                                  # tp 2 x dp 2
     assert dp2.dp == 2 and total(dp2.dp_group) == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
     _check(cfgs["switch"], dp2, "tp2-dp2/switch")
+    for jitter in (0.01, 0.5):                                # router jitter, trainer's seeds
+        _check(_switch_with_jitter(jitter), g, f"tp2xep2/switch-jitter-{jitter}", seed=_trainer_seed(g))
+    _check(_switch_with_jitter(0.5), sp, "tp2xep2-sp/switch-jitter", seed=_trainer_seed(sp))
 
 
 def test_tp2_and_ep2_match_the_unsharded_model():

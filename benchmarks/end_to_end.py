@@ -1,0 +1,178 @@
+"""Training speed end to end: our trainer vs transformers' MixtralForCausalLM, same weights, same
+DeepSpeed JSON, same tokens per step.
+
+    python benchmarks/end_to_end.py                       # CPU: 1 process, fp32 ZeRO-1, tiny and mid
+    python benchmarks/end_to_end.py --config ds_configs/zero1.json --sizes mid --steps 30   # a GPU, bf16
+
+Both models are built from one set of full weights (ours converted with ``interop/hf.py``), and
+each is trained through ``deepspeed.initialize`` with the same JSON: ours by the trainer's own
+``Stepper.train_step`` (the step ``launch/train.py`` runs, statistics and all), transformers' by
+the plain loop a user would write (``loss = engine(input_ids, labels).loss``;
+``engine.backward``; ``engine.step``), with ``output_router_logits`` so that its router loss
+is trained as ours is. The sizes: ``tiny`` is ``recipes/tiny_mixtral.yaml``; ``mid`` the same
+with hidden 512 (8 heads, 4 kv heads, expert ffn 512). Each step's batches are fixed random
+token ids (the speed does not depend on their content beyond routing balance).
+
+The step-time breakdown times the engine's ``forward``, ``backward`` and ``step`` calls
+(synchronizing the GPU around each); "other" is the rest of the step: the trainer's host work
+and, with several ranks, communication outside those calls. Steps after ``--warmup`` count;
+medians are reported. Prints a markdown table and the ratio (ours / transformers tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+SIZES = {"tiny": [], "mid": ["model.hidden_size=512", "model.num_heads=8", "model.num_kv_heads=4",
+                             "model.ffn_hidden_size=512"]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="ds_configs/zero1_fp32.json", help="DeepSpeed JSON for both")
+    p.add_argument("--recipe", default="recipes/tiny_mixtral.yaml")
+    p.add_argument("--sizes", default="tiny,mid", help="comma-separated subset of: tiny, mid")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per model")
+    p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+class PhaseTimer:
+    """Wall time of the engine's forward, backward and step calls (GPU synchronized)."""
+
+    def __init__(self, engine, device: torch.device):
+        self.device, self.totals = device, {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        for attr, phase in (("forward", "forward"), ("backward", "backward"), ("step", "optimizer")):
+            setattr(engine, attr, self._timed(getattr(engine, attr), phase))
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _timed(self, fn, phase):
+        def run(*args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._sync()
+            self.totals[phase] += time.perf_counter() - t0
+            return out
+        return run
+
+    @contextmanager
+    def step(self, rows: list):
+        before = dict(self.totals)
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        total = time.perf_counter() - t0
+        row = {k: self.totals[k] - before[k] for k in self.totals}
+        row["other"] = total - sum(row.values())
+        row["total"] = total
+        rows.append(row)
+
+
+def _batches(cfg, micro: int, accumulation: int, seq: int, steps: int, device) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (accumulation, micro, seq + 1), generator=g)
+        out.append([(t[:, :-1].to(device), t[:, 1:].to(device)) for t in tokens])
+    return out
+
+
+def run_ours(recipe, ds, ctx, batches, warmup) -> list[dict]:
+    from model import Transformer
+    from training import run_setup, stepping
+    model = Transformer(recipe.model, ctx.groups, init_seed=recipe.train.seed)
+    engine = run_setup.build_engine(model, ds, len(batches), ctx.groups)
+    stepper = stepping.Stepper(engine, recipe, ds, ctx, dp_size=1)
+    timer, rows = PhaseTimer(engine, ctx.device), []
+    for step, micro_batches in enumerate(batches, 1):
+        with timer.step(rows):
+            stepper.train_step(step, micro_batches)
+    return rows[warmup:], model
+
+
+def run_hf(ours, cfg, ds, ctx, batches, warmup) -> list[dict]:
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    from interop import hf
+    from training import schedules
+    hf_config = hf.to_hf_config(cfg)
+    model = AutoModelForCausalLM.from_config(hf_config).to(ctx.device)
+    model.load_state_dict(hf.to_hf_state_dict(cfg, {k: v.detach().cpu() for k, v in ours.state_dict().items()}))
+    model.config.output_router_logits = True
+    ds, _ = schedules.split_scheduler(ds)
+    ds = {k: v for k, v in ds.items() if k != "scheduler"}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    timer, rows = PhaseTimer(engine, ctx.device), []
+    for micro_batches in batches:
+        with timer.step(rows):
+            for inputs, _ in micro_batches:
+                loss = engine(input_ids=inputs, labels=inputs).loss
+                engine.backward(loss)
+                engine.step()
+    return rows[warmup:]
+
+
+def summarize(rows: list[dict], tokens_per_step: int) -> dict:
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["tokens_per_s"] = tokens_per_step / med["total"]
+    return med
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from training import run_setup
+    from training.ds_config import load_ds_config, validate_ds_config
+    from training.recipe import load_recipe
+
+    ds0 = validate_ds_config(load_ds_config(args.config), dp_size=1)
+    results = []
+    for size in args.sizes.split(","):
+        recipe = load_recipe(args.recipe, SIZES[size] + ["model.moe.router_jitter=0.0"])
+        ctx = run_setup.init_distributed(recipe)
+        ds = run_setup.resolve_ds_config(ds0, recipe)
+        micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+        batches = _batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
+        tokens = micro * acc * recipe.seq_len
+        ours_rows, ours = run_ours(recipe, ds, ctx, batches, args.warmup)
+        hf_rows = run_hf(ours, recipe.model, ds, ctx, batches, args.warmup)
+        results.append((size, recipe.model, summarize(ours_rows, tokens), summarize(hf_rows, tokens)))
+
+    print(f"config {args.config}, device {ctx.device}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; medians over {args.steps - args.warmup} steps (ms)\n")
+    print("| size | params | implementation | tokens/s | step | forward | backward | optimizer | other |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for size, cfg, ours, theirs in results:
+        params = f"{cfg.num_params() / 1e6:.1f}M"
+        for name, m in (("ours (trainer)", ours), ("transformers Mixtral", theirs)):
+            print(f"| {size} | {params} | {name} | {m['tokens_per_s']:,.0f} | {1e3 * m['total']:.1f} | "
+                  f"{1e3 * m['forward']:.1f} | {1e3 * m['backward']:.1f} | {1e3 * m['optimizer']:.1f} | "
+                  f"{1e3 * m['other']:.1f} |")
+    print()
+    for size, _, ours, theirs in results:
+        print(f"{size}: ours / transformers tokens/s = {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Host syncs per optimizer step from our code: at most 6, independent of the accumulation steps
+and of the number of layers (tiny Mixtral, 2 data-parallel ranks, fp32 ZeRO-1).
+
+Each call counted by ``_count_syncs_run.py`` would make a GPU wait for the host (a device-to-host
+copy or a data-dependent shape). The step statistics are accumulated on the device and brought to
+the host once per step; the rest are the few values the host must decide on (the skip decision,
+the gradient norm). A count that grows with accumulation or depth means a sync per micro-batch
+or per layer crept back in.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import free_port
+from tests.runs import SMALL, ds_variant, env
+
+REPO = Path(__file__).resolve().parents[2]
+LIMIT = 6
+
+
+def _counts(tmp_path: Path, accumulation: int, layers: int) -> list[dict]:
+    name = f"acc{accumulation}-layers{layers}"
+    config = ds_variant(tmp_path, "zero1_fp32", train_micro_batch_size_per_gpu=2,
+                        gradient_accumulation_steps=accumulation)
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(REPO / "tests" / "training" / "_count_syncs_run.py"), "--config",
+           config, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "3", "--set", *SMALL,
+           f"model.num_layers={layers}", "eval.every=0",
+           "model.moe.router_jitter=0.0"]      # tiny Mixtral's own value (SMALL turns it on)
+    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "SYNC_COUNTS": str(out)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+    return [steps[str(s)] for steps in ranks for s in (2, 3)]     # step 1 warms up
+
+
+@pytest.mark.parametrize("accumulation,layers", [(1, 2), (4, 2), (4, 4)])
+def test_host_syncs_per_optimizer_step(tmp_path, accumulation, layers):
+    for step in _counts(tmp_path, accumulation, layers):
+        assert step["count"] <= LIMIT, json.dumps(step["where"], indent=1)
+        # The counter sees our calls: at least the one copy of the step statistics.
+        assert any(where.startswith("tolist training/stepping.py") for where, _ in step["where"]), step
