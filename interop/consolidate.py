@@ -1,13 +1,16 @@
 """Offline consolidation: a run directory's newest checkpoint as one full fp32 state dict.
 
 Used by ``launch/evaluate.py`` and ``launch/convert_hf.py export``, on one process, with no
-process group: ZeRO partitions are reassembled by DeepSpeed's ``zero_to_fp32``; tensor/expert
-parallel shards and pipeline layer files are merged back into full tensors from the cuts each
-parameter records (``shard_spec``, model/parallel/layers.py).
+process group: ZeRO partitions are reassembled by DeepSpeed's ``zero_to_fp32`` (per
+model-parallel rank under ZeRO-3); tensor/expert parallel shards and pipeline layer files are
+merged back into full tensors from the cuts each parameter records (``shard_spec``,
+model/parallel/layers.py).
 """
 
 from __future__ import annotations
 
+import sys
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
@@ -32,7 +35,7 @@ def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str,
             layout = ParallelGroups(tp=tp, ep=ep, tp_rank=tp_rank, ep_rank=ep_rank,
                                     expert_placement=world.get("expert_placement", "contiguous"))
             with torch.device("meta"):
-                model = Transformer(cfg, layout)
+                model = Transformer(cfg, layout, init_seed=None)       # the cuts, no weights
             shard = shards[ep_rank * tp + tp_rank]
             for name, p in model.named_parameters():
                 out = full.setdefault(name, torch.empty(p.full_shape))
@@ -49,9 +52,10 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
 
     ZeRO 1-3 keep the fp32 master weights in their (partitioned) optimizer files, which
     DeepSpeed's ``zero_to_fp32`` reassembles; ZeRO-0 keeps the module weights in
-    ``mp_rank_00_model_states.pt``. Tensor/expert-parallel runs (ZeRO 0-2) are merged from the
-    module weights of every ``mp_rank_XX`` file, pipeline runs from their per-layer files (the
-    model dtype: exact for fp32 runs, the bf16 weights for bf16 runs).
+    ``mp_rank_00_model_states.pt``. Tensor/expert-parallel runs are merged from each
+    model-parallel rank's weights: under ZeRO 0-2 the module weights of its ``mp_rank_XX`` file,
+    under ZeRO-3 its fp32 master weights (``zero3_fp32_shard``); pipeline runs from their
+    per-layer files (the model dtype: exact for fp32 runs, the bf16 weights for bf16 runs).
     """
     mp = 1 if world is None else world["tensor_parallel_size"] * world["expert_parallel_size"]
     if world is not None and world.get("pipeline_parallel_size", 1) > 1:
@@ -69,20 +73,46 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         return {k: v.float() for k, v in shards[0].items()}
     if mp > 1:
         if zero_stage == 3:
-            raise ValueError("consolidating a ZeRO-3 tensor/expert-parallel checkpoint is not "
-                             "supported yet (train that layout with ZeRO 0-2 to export it)")
-        shards = {r: torch.load(Path(ckpt_dir) / tag / f"mp_rank_{r:02d}_model_states.pt",
-                                map_location="cpu", weights_only=False)["module"]
-                  for r in range(mp)}
+            shards = {r: zero3_fp32_shard(Path(ckpt_dir) / tag, r) for r in range(mp)}
+        else:
+            shards = {r: torch.load(Path(ckpt_dir) / tag / f"mp_rank_{r:02d}_model_states.pt",
+                                    map_location="cpu", weights_only=False)["module"]
+                      for r in range(mp)}
         return merge_model_parallel(cfg, world, shards)
     if zero_stage > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+        with redirect_stdout(sys.stderr):
+            sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
         states = torch.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt",
                             map_location="cpu", weights_only=False)
         sd = states["module"]
     return {k: v.float() for k, v in sd.items()}
+
+
+def zero3_fp32_shard(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
+    """One model-parallel rank's fp32 weights (its tp x ep shard, whole) from a ZeRO-3 checkpoint.
+
+    ZeRO-3 partitions each model-parallel rank's parameters over its data-parallel group: dp
+    rank d writes ``zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt`` (its slice of the fp32
+    master weights) and ``..._model_states.pt`` (the parameter names and shapes). DeepSpeed's
+    ``zero_to_fp32`` reassembles one model-parallel rank (its public entry point assumes
+    mp 1 and would read every rank's files as one group): its parsers are run here on this
+    rank's files only.
+    """
+    from deepspeed.utils import zero_to_fp32 as z
+
+    folder = str(folder)
+    model_files = z.get_checkpoint_files(folder, f"*mp_rank_{mp_rank:02d}_model_states.pt")
+    optim_files = z.get_checkpoint_files(folder, f"*mp_rank_{mp_rank:02d}_optim_states.pt")
+    with redirect_stdout(sys.stderr):      # zero_to_fp32 prints; stdout is the caller's
+        model_states = z.parse_model_states(model_files)
+        stage, dp, fp32_groups, _ = z.parse_optim_states(optim_files, folder)
+        if stage != 3:
+            raise ValueError(f"{optim_files[0]}: a ZeRO-{stage} checkpoint, not ZeRO-3")
+        sd = z._get_fp32_state_dict_from_zero3_checkpoint(dp, fp32_groups, model_states,
+                                                          exclude_frozen_parameters=False)
+    return z.to_torch_tensor(sd)
 
 
 def load_run_model(run_dir: Path):
@@ -112,7 +142,7 @@ def load_run_model(run_dir: Path):
         world.setdefault("expert_placement", resolved["recipe"].get("parallel", {}).get(
             "expert_placement", "contiguous"))
         sd = consolidated_state_dict(ckpt_dir, tag, stage, cfg, world)
-        model = Transformer(cfg)
+        model = Transformer(cfg, init_seed=None)        # every weight comes from the checkpoint
         model.load_state_dict(sd, strict=True)
     except Exception as e:  # torch and DeepSpeed raise many types on a corrupted checkpoint
         first = (str(e).strip().splitlines() or [""])[0]

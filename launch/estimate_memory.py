@@ -1,9 +1,11 @@
 """Per-GPU memory of a training run, and a planner that picks a layout that fits.
 
     python launch/estimate_memory.py --recipe R --config C --gpus N [--gpus-per-node 8]
-                                     [--gpu h100-80gb] [--set key=value ...] [--json]
+                                     [--gpu h100-80gb] [--host-memory-gb GB] [--set key=value ...]
+                                     [--json]
     python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
-                                     --gpu TYPE [--global-batch SEQS] [--write-config PATH] [--json]
+                                     --gpu TYPE [--global-batch SEQS] [--host-memory-gb GB]
+                                     [--write-config PATH] [--json]
 
 What the estimate counts and how the planner ranks layouts: ``planning/estimator.py``. Bad
 inputs and layouts the trainer would refuse are one line on stderr, exit code 2. Estimates, not
@@ -35,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=None, help="total GPUs (estimate)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--host-memory-gb", type=float, default=None,
+                   help="host memory per node the model build may use (default 128 per GPU)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override recipe keys, as train.py does")
     p.add_argument("--plan", action="store_true", help="enumerate layouts and rank those that fit")
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
         if args.plan:
             precision = mm.precision_of(load_ds_config(args.config)) if args.config else "bf16"
             result = plan(recipe, args.nodes, args.gpus_per_node, args.gpu, precision,
-                          args.global_batch, args.top)
+                          args.global_batch, args.top, args.host_memory_gb)
             command = note = ""
             if result["layouts"]:
                 best = result["layouts"][0]
@@ -76,7 +80,8 @@ def main(argv=None) -> int:
             return 0
         if args.config is None or args.gpus is None:
             raise ValueError("--config and --gpus are required (or use --plan --nodes N)")
-        est = estimate(recipe, load_ds_config(args.config), args.gpus, args.gpus_per_node, args.gpu)
+        est = estimate(recipe, load_ds_config(args.config), args.gpus, args.gpus_per_node, args.gpu,
+                       args.host_memory_gb)
         print(json.dumps(est, indent=1) if args.json else format_estimate(est))
         return 0
     except ValueError as err:

@@ -94,7 +94,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     tokenizer, corpus = run_setup.build_tokenizer(recipe, run_dir, plan.init_from, ctx)
     sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
 
-    model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups)
+    model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups, plan.ds)
     engine = where.engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
 
     start_step, monitor_state = 0, None
@@ -114,9 +114,13 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
                                                  plan.ds, ctx, plan.dp_size)
 
     for step in range(start_step + 1, tcfg.steps + 1):
-        # Per-step seeding makes every RNG stream (router jitter, ...) a function of
-        # (seed, step, rank), so a resumed run draws exactly what an uninterrupted one would.
-        torch.manual_seed(tcfg.seed * 1_000_003 + step * 7919 + ctx.rank)
+        # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed, step,
+        # pipeline and data-parallel coordinates), so a resumed run draws exactly what an
+        # uninterrupted one would, and every tp x ep layout draws the router noise of the
+        # single-process run (``jitter_noise`` seeds each sample from its global index; tp and ep
+        # are the fastest-varying rank coordinates, so rank // (tp * ep) drops them).
+        torch.manual_seed(tcfg.seed * 1_000_003 + step * 7919
+                          + ctx.rank // (ctx.groups.tp * ctx.groups.ep))
         where.step, where.micro_batch, where.phase = step, None, "reading the step's batches"
         row, extra = stepper.train_step(step, sampler.batches_for_step(step - 1))
         sampler.step = step
@@ -141,6 +145,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
                       f"(e.g. a lower lr or --set train.spike_action=skip) and run the command "
                       f"again to resume", file=sys.stderr, flush=True)
             break
+    checkpoint.wait_for_pruning()
     tracker.close()
     return 0
 

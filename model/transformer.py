@@ -53,9 +53,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.head_dim, self.theta = head_dim, theta
         # Not persistent: derived from config, and kept fp32 even when the engine casts params.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        return 1.0 / self.theta ** exponents                                             # (hd/2,)
+
+    def reset(self) -> None:
+        """Recompute the frequencies in fp32: a build that creates every floating tensor in the
+        training dtype (DeepSpeed's ``zero.Init`` under bf16) has rounded them."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
@@ -176,12 +185,13 @@ class Block(nn.Module):
 
 
 @torch.no_grad()
-def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int) -> None:
+def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=None) -> None:
     """Normal(0, init_std) for every matrix; residual-output projections scaled by
     1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
     with depth; norms at one. Each full tensor is drawn from (seed, name) and this rank keeps
     its shard, so every layout starts from the same model; ``module`` may be any part of the
-    model whose parameter names are the Transformer's (e.g. a pipeline stage's layer)."""
+    model whose parameter names are the Transformer's (e.g. a pipeline stage's layer).
+    ``write``: how a shard is stored, see ``model.parallel.layers.fill_from_full``."""
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.num_layers)
 
@@ -191,7 +201,7 @@ def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int) -> None:
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return out_std
         return std
-    init_from_full(module, std_for, seed)
+    init_from_full(module, std_for, seed, write)
 
 
 def expert_parallel_rows(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -240,10 +250,12 @@ class Transformer(nn.Module):
             parallelism ``logits`` is this rank's vocabulary shard (for every position, also
             under sequence parallelism, whose sequence shards live only between the layers).
         init_seed: seed of the weight init; the full weights are the same at any layout.
+            None leaves the parameters uninitialized for the caller (a partitioned build
+            initializes them after construction with ``reset_parameters(seed, write)``).
     """
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None,
-                 init_seed: int = 0):
+                 init_seed: int | None = 0):
         super().__init__()
         self.cfg = cfg
         self.groups = groups or ParallelGroups()
@@ -253,7 +265,8 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
-        self.reset_parameters(init_seed)
+        if init_seed is not None:
+            self.reset_parameters(init_seed)
 
     def set_activation_checkpointing(self, policy: str) -> None:
         """Choose what backward recomputes instead of storing: a ``train.activation_checkpointing``
@@ -265,9 +278,14 @@ class Transformer(nn.Module):
             layer.set_checkpointing(policy)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
+    def reset_parameters(self, seed: int = 0, write=None) -> None:
         """See ``init_weights``: every layout starts from the same model."""
-        init_weights(self, self.cfg, seed)
+        init_weights(self, self.cfg, seed, write)
+
+    def reset_buffers(self) -> None:
+        """Recompute the derived fp32 buffers (RoPE frequencies) after a build that created
+        them in another dtype."""
+        self.rotary.reset()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),

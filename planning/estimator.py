@@ -1,20 +1,25 @@
 """Per-GPU memory of a training run, and a planner that picks a layout that fits.
 
     python launch/estimate_memory.py --recipe R --config C --gpus N [--gpus-per-node 8]
-                                     [--gpu h100-80gb] [--set key=value ...] [--json]
+                                     [--gpu h100-80gb] [--host-memory-gb GB] [--set key=value ...]
+                                     [--json]
     python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
-                                     --gpu TYPE [--global-batch SEQS] [--write-config PATH] [--json]
+                                     --gpu TYPE [--global-batch SEQS] [--host-memory-gb GB]
+                                     [--write-config PATH] [--json]
 
 The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
 (ZeRO paper accounting with DeepSpeed 0.19.8's extras, see ``planning/memory_model.py``),
 activations for one micro-batch per block and in total (with the recipe's activation
 checkpointing), temporary buffers, and whether it fits the GPU after a reserve of
 ``RESERVE_FRACTION`` for the CUDA context, NCCL and allocator fragmentation. Offloaded states are
-reported as CPU memory per rank and per node.
+reported as CPU memory per rank and per node. The model's build, before ``deepspeed.initialize``
+(``planning/build_memory.py``), must fit the node's host memory (``--host-memory-gb``, default
+``HOST_GB_PER_GPU`` per GPU) and the GPU.
 
 The planner enumerates ZeRO 0-3 x TP (up to the node size) x EP x PP (at most 8) x micro-batch
 1/2/4/8 x activation checkpointing none/full/selective, skips what the trainer would refuse (the
-same validators), keeps what fits and ranks by a predicted step time (see
+same validators), refuses with its reason a layout whose build does not fit, keeps what fits and
+ranks by a predicted step time (see
 ``step_time``), then prints the exact launch command of the best. Estimates, not measurements:
 check the top choice with a short run (``mem_gb`` in metrics.jsonl).
 """
@@ -29,11 +34,13 @@ from pathlib import Path
 from model.checkpointing import CheckpointPolicy
 from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
+from planning.build_memory import build_bytes
 from training.ds_config import check_layout, load_ds_config, validate_ds_config
 from training.hardware import GPUS, GPUSpec, train_flops_per_token
 from training.recipe_schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
+HOST_GB_PER_GPU = 128     # host memory per GPU the build may use by default: a DGX A100 (1 TB / 8)
 ASSUMED_MFU = 0.45        # compute efficiency the planner's step time assumes
 PLAN_TOKENS = 4 * 1024 * 1024   # default global batch of the planner: 4M tokens per step
 GB = 1e9
@@ -44,12 +51,15 @@ REPO = Path(__file__).resolve().parents[1]   # the stock ds_configs/ the planner
 # Estimate.
 
 def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
-             gpu: str = "h100-80gb") -> dict:
+             gpu: str = "h100-80gb", host_memory_gb: float | None = None) -> dict:
     """Per-GPU memory (bytes) of ``recipe`` under DeepSpeed JSON ``ds`` on ``gpus`` GPUs.
 
     Returns a dict with the layout, ``stages`` (one estimate per distinct pipeline stage: the
     first holds the embedding and pp micro-batches in flight, the last the head and logits),
-    ``worst`` (the stage with the largest total) and ``fits``.
+    ``worst`` (the stage with the largest total), ``build`` (the peak of building the model,
+    ``planning/build_memory.py``, against ``host_memory_gb`` per node, default
+    ``HOST_GB_PER_GPU`` per GPU, and the usable GPU memory; ``reason`` says why it does not
+    fit) and ``fits`` (the step and the build).
 
     Raises:
         ValueError: what the trainer refuses (``Recipe.dims`` on ``gpus``,
@@ -66,6 +76,8 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     stages = [_stage(recipe, layout, ds, s, micro) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
     usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
+    host_memory = (host_memory_gb or HOST_GB_PER_GPU * gpus_per_node) * GB
+    build = _build(stages, stage, min(gpus, gpus_per_node), host_memory, usable)
     return {"units": "bytes", "recipe": recipe.name, "gpu": gpu, "gpu_memory": spec.memory_gb * GB,
             "reserve_fraction": RESERVE_FRACTION, "usable": usable, "gpus": gpus,
             "gpus_per_node": gpus_per_node, "tp": layout.tp, "ep": layout.ep, "pp": layout.pp,
@@ -73,8 +85,31 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
             "precision": precision, "micro_batch": micro, "accumulation": acc,
             "seq_len": recipe.seq_len, "activation_checkpointing": recipe.train.activation_checkpointing,
             "params_total": cfg.num_params(), "params_active": cfg.num_params(active=True),
-            "stages": stages, "worst": worst, "fits": worst["gpu_total"] <= usable,
+            "stages": stages, "worst": worst, "build": build,
+            "fits": worst["gpu_total"] <= usable and build["fits"],
             "cpu_per_node": worst["cpu"] * min(gpus, gpus_per_node)}
+
+
+def _build(stages: list[dict], zero_stage: int, ranks_per_node: int, host_memory: float,
+           usable: float) -> dict:
+    """The heaviest stage's build against the node's host memory and the usable GPU memory."""
+    host = max(st["build"]["host"] for st in stages)
+    device = max(st["build"]["device"] for st in stages)
+    worst = max(stages, key=lambda st: st["build"]["host"])["build"]
+    reason = None
+    if host * ranks_per_node > host_memory:
+        how = ("the partition of the model as built" if zero_stage == 3 else
+               "this rank's whole shard in fp32")
+        reason = (f"build needs {host * ranks_per_node / GB:.0f} GB of host memory per node "
+                  f"({ranks_per_node} ranks x {host / GB:.1f} GB: {how} {worst['params'] / GB:.1f} "
+                  f"+ the largest tensor drawn in fp32 {worst['draw'] / GB:.1f}) > "
+                  f"{host_memory / GB:.0f} GB (--host-memory-gb)"
+                  + ("" if zero_stage == 3 else "; ZeRO-3 partitions the model as it is built"))
+    elif device > usable:
+        reason = (f"build needs {device / GB:.1f} GB per GPU (the partitions as built + the "
+                  f"largest module gathered) > usable {usable / GB:.1f} GB")
+    return {"host_per_rank": host, "host_per_node": host * ranks_per_node, "device": device,
+            "host_memory": host_memory, "fits": reason is None, "reason": reason}
 
 
 def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int) -> dict:
@@ -93,6 +128,7 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int) 
     model_states = states["params"] + states["grads"] + states["optimizer"]
     return {"stage": stage, "params": params, "states": states, "activations": acts,
             "buffers": buffers, "model_states": model_states, "cpu": states["cpu"],
+            "build": build_bytes(cfg, layout, ds, stage),
             "gpu_total": model_states + max(during_backward, buffers["optimizer_step"])}
 
 
@@ -194,20 +230,23 @@ def _layouts(recipe: Recipe, world: int, gpus_per_node: int):
 
 
 def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: str = "bf16",
-         global_batch: int | None = None, top: int = 10) -> dict:
+         global_batch: int | None = None, top: int = 10,
+         host_memory_gb: float | None = None) -> dict:
     """Enumerate layouts, keep those that fit, rank them by ``step_time``.
 
     Every candidate keeps the global batch (sequences per step; default PLAN_TOKENS / seq_len)
     and uses the stock ``ds_configs/zero{stage}[_fp32].json`` with its micro-batch and
     accumulation replaced; what the trainer would refuse (the recipe's checks, ``ParallelDims``,
-    ``training.ds_config.check_layout``) is skipped. Returns ``{"layouts": [...best first...],
-    "considered", ...}``.
+    ``training.ds_config.check_layout``) is skipped. A layout whose build does not fit (the
+    host memory per node, ``host_memory_gb``; see ``estimate``) is refused with its reason,
+    once per (ZeRO stage, tp, ep, pp) in ``refused``. Returns ``{"layouts": [...best
+    first...], "considered", "refused", ...}``.
     """
     world = nodes * gpus_per_node
     global_batch = global_batch or max(1, round(PLAN_TOKENS / recipe.seq_len))
     suffix = "_fp32" if precision == "fp32" else ""
     bases = {s: load_ds_config(str(REPO / "ds_configs" / f"zero{s}{suffix}.json")) for s in range(4)}
-    rows, considered = [], 0
+    rows, considered, refused = [], 0, {}
     for dims in _layouts(recipe, world, gpus_per_node):
         for stage, micro, policy in itertools.product(range(4), (1, 2, 4, 8), CHECKPOINTING):
             considered += 1
@@ -220,10 +259,14 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                     recipe, parallel=ParallelConfig(dims.tp, dims.ep, dims.pp, dims.sp,
                                                     recipe.parallel.expert_placement),
                     train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
-                est = estimate(r, ds, world, gpus_per_node, gpu)
+                est = estimate(r, ds, world, gpus_per_node, gpu, host_memory_gb)
             except ValueError:
                 continue
-            if est["fits"]:
+            if not est["build"]["fits"]:
+                refused.setdefault((stage, dims.tp, dims.ep, dims.pp), {
+                    "zero_stage": stage, "tp": dims.tp, "ep": dims.ep, "pp": dims.pp,
+                    "dp": dims.dp, "reason": est["build"]["reason"]})
+            elif est["fits"]:
                 rows.append({"zero_stage": stage, "tp": dims.tp, "ep": dims.ep, "pp": dims.pp,
                              "dp": dims.dp, "sp": dims.sp, "micro_batch": micro,
                              "accumulation": ds["gradient_accumulation_steps"],
@@ -233,7 +276,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
     rows.sort(key=lambda row: (row["step_s"], row["gpu_total"]))
     return {"recipe": recipe.name, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu,
             "global_batch": global_batch, "assumed_mfu": ASSUMED_MFU, "considered": considered,
-            "fitting": len(rows), "layouts": rows[:top]}
+            "fitting": len(rows), "layouts": rows[:top], "refused": list(refused.values())}
 
 
 def launch_command(row: dict, recipe_path: str, nodes: int, gpus_per_node: int,
@@ -296,6 +339,11 @@ def format_estimate(est: dict) -> str:
     if w["cpu"]:
         lines.append(f"  CPU (offload): {w['cpu'] / GB:.2f} GB per rank, "
                      f"{est['cpu_per_node'] / GB:.1f} GB per node")
+    b = est["build"]
+    lines.append(f"  build (before deepspeed.initialize): {b['host_per_rank'] / GB:.2f} GB host per "
+                 f"rank ({b['host_per_node'] / GB:.0f} of {b['host_memory'] / GB:.0f} GB per node), "
+                 f"{b['device'] / GB:.2f} GB per GPU -> "
+                 + ("fits" if b["fits"] else f"DOES NOT FIT: {b['reason']}"))
     return "\n".join(lines)
 
 
@@ -312,6 +360,11 @@ def format_plan(result: dict, command: str, note: str) -> str:
                      f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:5.2f}"
                      f" {r['dp_comm_s']:7.2f} {r['tp_comm_s']:7.2f} {r['ep_comm_s']:7.2f}"
                      f" {r['tokens_per_s_per_gpu']:9.0f}")
+    refused = result.get("refused") or []
+    if refused:
+        r = refused[0]
+        lines.append(f"refused: {len(refused)} (ZeRO stage, tp, ep, pp) whose build does not fit, "
+                     f"e.g. ZeRO-{r['zero_stage']} tp {r['tp']} ep {r['ep']} pp {r['pp']}: {r['reason']}")
     if not result["layouts"]:
         return "\n".join(lines + ["no layout fits: add GPUs, or offload (ds_configs/zero3_offload.json)"])
     return "\n".join(lines + ["", "best:", command] + ([note] if note else []))

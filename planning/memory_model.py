@@ -27,7 +27,7 @@ def zero_shard_group_size(world: int, tp: int, ep: int, pp: int) -> int:
     """The data-parallel size ZeRO shards and reduces over.
 
     This repo folds expert parallelism into DeepSpeed's model-parallel group
-    (``model/parallel/groups.py``, DESIGN.md section 6 option 2; the design is in progress): ZeRO's
+    (``model/parallel/groups.py``; docs/zero-and-fsdp.md says why): ZeRO's
     data-parallel group is ``world / (tp * ep * pp)`` for ALL parameters, expert and non-expert
     alike; non-expert parameters are replicated over the ep ranks, and those ranks split each
     micro-batch among themselves. (DeepSpeed's own MoE would instead shard non-expert parameters

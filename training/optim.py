@@ -32,7 +32,10 @@ def _no_decay(name: str, param: torch.Tensor) -> bool:
     A tied `lm_head` shares the embedding's tensor and `named_parameters` reports it once, under
     `embed_tokens`, so a tied head is not decayed either.
     """
-    return param.ndim < 2 or "embed" in name or name.endswith("norm.weight")
+    # A parameter partitioned at construction (ZeRO-3's zero.Init) is an empty 1-D tensor until
+    # gathered; DeepSpeed keeps its shape as ``ds_shape``.
+    ndim = len(getattr(param, "ds_shape", param.shape))
+    return ndim < 2 or "embed" in name or name.endswith("norm.weight")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:

@@ -8,7 +8,9 @@ import os
 import platform
 import socket
 import subprocess
+import random
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -18,9 +20,10 @@ from training import corpus as corpus_lib
 from training import data as data_lib
 from training import checkpoint, optim, schedules
 from training.hardware import detect_gpu, train_flops_per_token
-from training.files import atomic_write
+from training.files import atomic_write, wait_for_file
 from training.recipe_schema import Recipe
 from training.shard_maps import enable_universal_checkpoint
+from training.sharded_build import build_partitioned, builds_partitioned
 from training.tokenization import load_tokenizer
 from training.tracking import MFU_NOTE, Progress, Tracker
 from model import Transformer
@@ -97,6 +100,27 @@ class DistContext:
     device: torch.device
     groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
     gpu: object = None             # training.hardware.GPUSpec when on a known GPU
+    launch_id: int = 0             # the same on every rank of one launch, new at every launch
+
+    def rank0_first(self, name: str, work):
+        """``work()`` on rank 0, then on the other ranks, which poll for a marker file meanwhile
+        (no collective waits on single-rank work, see ``wait_for_file``). ``work`` must leave a
+        cache that makes the later calls fast."""
+        marker = CACHE_DIR / "startup" / f"{self.launch_id}-{name}"
+        if self.rank == 0:
+            result = work()
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+            return result
+        wait_for_file(marker, f"rank 0 to finish: {name}")
+        return work()
+
+    def end_startup(self) -> None:
+        """All ranks are past the single-rank work: drop this launch's markers (one barrier)."""
+        comm.barrier()
+        if self.rank == 0:
+            for marker in (CACHE_DIR / "startup").glob(f"{self.launch_id}-*"):
+                marker.unlink(missing_ok=True)
 
     @property
     def batch_group(self):
@@ -133,7 +157,9 @@ def init_distributed(recipe: Recipe) -> DistContext:
                           MASTER_PORT=str(_free_port()))
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    timeout = timedelta(minutes=recipe.parallel.timeout_minutes)
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               timeout=timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -144,8 +170,13 @@ def init_distributed(recipe: Recipe) -> DistContext:
         device, gpu = torch.device("cpu"), None
     par = recipe.parallel
     groups = build_groups(par.tensor_parallel_size, par.expert_parallel_size,
-                          par.pipeline_parallel_size, par.expert_placement, par.sequence_parallel)
-    return DistContext(rank, world, local_rank, device, groups, gpu=gpu)
+                          par.pipeline_parallel_size, par.expert_placement, par.sequence_parallel,
+                          timeout)
+    # One small collective, before any long work: markers of this launch cannot be stale ones.
+    launch_id = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0],
+                             dtype=torch.int64, device=device)
+    launch_id = int(comm.job_sum(launch_id).item())
+    return DistContext(rank, world, local_rank, device, groups, gpu=gpu, launch_id=launch_id)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,9 +199,7 @@ def build_tokenizer(recipe: Recipe, run_dir: Path, init_from: Path | None, ctx: 
     def load():
         return load_tokenizer(path, [d.corpus_item() for d in corpus.train], vocab, CACHE_DIR,
                               max_train_bytes=recipe.tokenizer.train_bytes)
-    tokenizer = load() if ctx.rank == 0 else None
-    comm.barrier()
-    tokenizer = tokenizer or load()
+    tokenizer = ctx.rank0_first("tokenizer", load)
     if len(tokenizer) > recipe.model.vocab_size:
         raise ValueError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the "
                          f"tokenizer ({len(tokenizer)} tokens): raise model.vocab_size")
@@ -183,11 +212,10 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
     """The training sampler for this rank and its validation batches."""
     seq_len = recipe.seq_len
     streams = []
-    for docs in (corpus.train, corpus.val):        # rank 0 tokenizes and caches first
-        tokens = data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR) if ctx.rank == 0 else None
-        comm.barrier()
-        streams.append(tokens if tokens is not None else
-                       data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR))
+    for split, docs in (("train", corpus.train), ("val", corpus.val)):   # rank 0 caches first
+        streams.append(ctx.rank0_first(f"tokenize {split}",
+                                       lambda docs=docs: data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR)))
+    ctx.end_startup()
     dp_rank = ctx.groups.dp_rank
     layout = data_lib.BatchLayout(ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
                                   dp_size, dp_rank)
@@ -197,9 +225,17 @@ def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: D
     return sampler, val
 
 
-def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups) -> Transformer:
+def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups,
+                ds: dict | None = None) -> Transformer:
     """The model at this rank's layout; every layout starts from the same full weights. With
-    pipeline stages, this rank's layers of a ``training.pipeline.TransformerPipe``."""
+    pipeline stages, this rank's layers of a ``training.pipeline.TransformerPipe``. Under ZeRO-3
+    (``ds``, the run's DeepSpeed JSON) partitioned over dp as it is built, so that no rank ever
+    holds the whole model (``training/sharded_build.py``)."""
+    if builds_partitioned(ds) and recipe.parallel.pipeline_parallel_size == 1:
+        ds_for_init, _ = schedules.split_scheduler(ds)    # DeepSpeed's keys only
+        model = build_partitioned(recipe.model, groups, ds_for_init, recipe.train.seed, init_from)
+        model.set_activation_checkpointing(recipe.train.activation_checkpointing)
+        return model
     if recipe.parallel.pipeline_parallel_size > 1:
         from training.pipeline import TransformerPipe
         init = None

@@ -126,9 +126,23 @@ class Stepper:
         return {**self.spikes.state(), "tokens": self.tokens_seen}
 
     def _stats_vector(self, device: torch.device) -> torch.Tensor:
+        """``[ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, counts (L x E),
+        entropy (L), dropped (L), router divergence]`` on the device, L the MoE layers."""
         experts = self.cfg.moe.num_experts if self.cfg.moe else 0
         layers = len(self.moe_blocks)
-        return torch.zeros(_SCALARS + layers * (experts + 2), dtype=torch.float64, device=device)
+        return torch.zeros(_SCALARS + layers * (experts + 2) + 1, dtype=torch.float64, device=device)
+
+    def _check_router_replicas(self, step: int, stats: torch.Tensor) -> None:
+        """Every ``train.log_every`` steps, put into the statistics how far the router weights,
+        replicated over tp x ep, have drifted apart (0.0 when bitwise equal; one small
+        all-reduce, no host copy). Routing that differs between tp peers would sum partial
+        outputs of different experts."""
+        groups = self.ctx.groups
+        if not self.moe_blocks or groups.tp * groups.ep == 1 or step % self.recipe.train.log_every:
+            return
+        gates = [getattr(m.weight, "ds_tensor", m.weight) for name, m in self.model.named_modules()
+                 if name.endswith("mlp.gate")]
+        stats[-1] += comm.replica_divergence(gates, groups.mp_group)
 
     def train_step(self, step: int, batches) -> tuple[dict, dict]:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
@@ -145,6 +159,7 @@ class Stepper:
             if i == gas - 1:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
+                self._check_router_replicas(step, stats)
                 values = comm.all_reduce_sum(stats, self.ctx.batch_group).tolist()
                 step_loss = values[0] / max(values[1], 1)
                 skip_reason = self._skip_reason(step_loss, values[2] > 0)
@@ -189,9 +204,9 @@ class Stepper:
     def _pipeline_before_step(self, gas: int) -> None:
         # Every value lives on one stage (the losses on the last, each MoE layer's on its own):
         # sum over the ranks that see different tokens, then over the stages.
-        stats = self._stats_vector(torch.device("cpu"))
-        self.model.add_step_stats(stats, gas)        # host values (training/pipeline.py)
-        stats = stats.to(self.ctx.device)            # collectives take device tensors (NCCL)
+        stats = self._stats_vector(self.ctx.device)
+        self.model.add_step_stats(stats, gas)        # device-side adds (training/pipeline.py)
+        self._check_router_replicas(self.where.step, stats)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
         values = comm.all_reduce_sum(stats, self.ctx.groups.pp_group).tolist()
         step_loss = values[0] / max(values[1], 1)
@@ -214,7 +229,7 @@ class Stepper:
             stats[4] += out.z_loss.detach().double() / gas
             stats[5] += entropy.mean()
             stats[6] += dropped.mean()
-            stats[_SCALARS:] += torch.cat([counts.flatten(), entropy, dropped])
+            stats[_SCALARS:-1] += torch.cat([counts.flatten(), entropy, dropped])
 
     def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
         self._spike = False
@@ -276,6 +291,9 @@ class Stepper:
         if self.moe_blocks:
             moe_row, extra = self._moe_stats(values)
             row.update(moe_row)
+        groups = self.ctx.groups
+        if self.moe_blocks and groups.tp * groups.ep > 1 and step % self.recipe.train.log_every == 0:
+            row["router_divergence"] = values[-1]     # 0.0: router replicas bitwise equal
         if self._spike:
             row["spike"] = True     # logged in every case; skipped or stopped when asked
         if not applied:
@@ -292,7 +310,7 @@ class Stepper:
         dp, layers, experts = self.dp_size, len(self.moe_blocks), self.cfg.moe.num_experts
         counts = values[_SCALARS:_SCALARS + layers * experts]
         entropy = values[_SCALARS + layers * experts:][:layers]
-        dropped = values[_SCALARS + layers * (experts + 1):]
+        dropped = values[_SCALARS + layers * (experts + 1):][:layers]
         row = {"aux_loss": values[3] / dp, "z_loss": values[4] / dp,
                "router_entropy": values[5] / dp, "dropped_frac": values[6] / dp}
         extra, worst = {}, 0.0

@@ -52,6 +52,8 @@ def test_layout_matches_the_single_process_control(layout, stage, control, tmp_p
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (layout, stage, a["step"])
         assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-4)
         assert b["tokens"] == a["tokens"]
+        if b["step"] % 5 == 0:          # train.log_every: the router replicas were compared
+            assert b["router_divergence"] == 0.0, (layout, stage, b["step"])
     assert ref[-1]["loss"] < ref[0]["loss"]
     if layout == "ep2" and stage == 2:
         _check_experts(control, run_dir)

@@ -1,0 +1,22 @@
+"""``_device_contract_run.py`` with the trainer's statistics vector made on the host (the bug
+the contract guards against): test_device_contract.py checks that it is reported."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from training import stepping  # noqa: E402
+
+
+def host_stats(self, device):
+    experts = self.cfg.moe.num_experts if self.cfg.moe else 0
+    return torch.zeros(stepping._SCALARS + len(self.moe_blocks) * (experts + 2) + 1,
+                       dtype=torch.float64, device="cpu")
+
+
+stepping.Stepper._stats_vector = host_stats
+runpy.run_path(str(Path(__file__).with_name("_device_contract_run.py")), run_name="__main__")
