@@ -5,7 +5,8 @@
 #      active FLOPs per token) on one GPU, both on the same local corpus (Python's standard
 #      library: the device machine has no network and dense_1p3b's data path is a placeholder):
 #      tokens/s, MFU, peak memory, next to the estimator;
-#   3. the MoE layer benchmark against transformers (bf16, cuda);
+#   3. the MoE layer benchmark against transformers (bf16, cuda), and the end-to-end step of our
+#      trainer against transformers' Mixtral (bf16 ZeRO-1, benchmarks/end_to_end.py);
 #   4. 30 fp16 steps with dynamic loss scaling (ds_configs/fp16.json);
 #   5. an NCCL all-reduce/all-to-all check on the GPU (one rank per GPU present).
 # Figures go to $OUT/gpu_figures.md (copy them into docs/PERFORMANCE.md with the date and GPU).
@@ -28,6 +29,8 @@ for recipe in dense_1p3b gpu_mixtral_1b_active; do
     --gpus 1 --gpu h200-141gb --json > "$OUT/runs/$recipe/estimate.json"
 done
 python benchmarks/moe_layer.py --device cuda --dtype bf16 --json "$OUT/moe_layer.json" | tee "$OUT/moe_layer.md"
+python benchmarks/end_to_end.py --config ds_configs/zero1.json --steps 22 2>&1 | grep -v Warning \
+  | tee "$OUT/end_to_end.md"
 python launch/train.py --config ds_configs/fp16.json --steps 30 --run-dir "$OUT/runs/fp16" \
   --set train.log_every=10 eval.every=0 2>&1 | grep -v Warning | tail -4
 python -m torch.distributed.run --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/nccl_check.py \
