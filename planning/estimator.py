@@ -1,13 +1,7 @@
 """Per-GPU memory of a training run, and a planner that picks a layout that fits.
 
-    python launch/estimate_memory.py --recipe R --config C --gpus N [--gpus-per-node 8]
-                                     [--gpu h100-80gb] [--host-memory-gb GB] [--set key=value ...]
-                                     [--json]
-    python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
-                                     --gpu TYPE [--global-batch SEQS] [--host-memory-gb GB]
-                                     [--write-config PATH] [--json]
 
-The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
+The command is ``launch/estimate_memory.py``. The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
 (ZeRO paper accounting with DeepSpeed 0.19.8's extras, see ``planning/memory_model.py``),
 activations for one micro-batch per block and in total (with the recipe's activation
 checkpointing), temporary buffers, and whether it fits the GPU after a reserve of
