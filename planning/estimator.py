@@ -1,7 +1,7 @@
 """Per-GPU memory of a training run, and a planner that picks a layout that fits.
 
-
-The command is ``launch/estimate_memory.py``. The estimate prints, for the heaviest pipeline stage: parameters, gradients and optimizer states
+The command is ``launch/estimate_memory.py``. The estimate prints, for the heaviest pipeline
+stage: parameters, gradients and optimizer states
 (ZeRO paper accounting with DeepSpeed 0.19.8's extras, see ``planning/memory_model.py``),
 activations for one micro-batch per block and in total (with the recipe's activation
 checkpointing), temporary buffers, and whether it fits the GPU after a reserve of
