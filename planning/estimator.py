@@ -163,8 +163,10 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
 
     - compute: (train_flops_per_token + recompute) x tokens / (GPUs x bf16 peak x ASSUMED_MFU),
       stretched by the 1F1B bubble: / (1 - (p-1)/(m+p-1)), m = accumulation steps;
-    - DP: ZeRO-0/1/2 all-reduce (reduce-scatter + all-gather) 2 psi bytes per step; ZeRO-3
-      3 psi per micro-batch (gathers in forward and backward, reduce-scatter); times (dp-1)/dp;
+    - DP: ZeRO-0/1 reduce once at the accumulation boundary (reduce-scatter + all-gather, 2 psi
+      bytes per step); ZeRO-2 reduce-scatters on every micro-batch and all-gathers the updated
+      parameters once ((m + 1) psi); ZeRO-3 3 psi per micro-batch (gathers in forward and
+      backward, reduce-scatter); times (dp-1)/dp;
     - TP: 4 all-reduces of b s h per block per micro-batch (2 forward, 2 backward), 2(tp-1)/tp;
     - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
       once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
@@ -184,7 +186,8 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     compute = flops / (est["gpus"] * spec.bf16_tflops * 1e12 * ASSUMED_MFU)
     bubble = (pp - 1) / (m + pp - 1)
     psi = max(st["params"]["total"] for st in est["stages"])
-    dp_bytes = (3 * m if est["zero_stage"] == 3 else 2) * psi * a * (dp - 1) / dp
+    volume = {3: 3 * m, 2: m + 1}.get(est["zero_stage"], 2)      # psi per step, see above
+    dp_bytes = volume * psi * a * (dp - 1) / dp
     layers = mm.stage_layers(cfg, pp, 0)
     t_rank = est["micro_batch"] * seq / ep
     tp_bytes = 4 * len(layers) * m * t_rank * cfg.hidden_size * a * 2 * (tp - 1) / tp
