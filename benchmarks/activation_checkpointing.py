@@ -11,7 +11,7 @@ experts, every_k:2):
 - saved: the bytes autograd holds for backward at the end of the forward, counted with
   ``torch.autograd.graph.saved_tensors_hooks``: distinct storages, parameters excluded, only those
   still alive when the forward returns (a detached side graph is freed). Next to it the
-  estimator's figure (``launch/memory_model.activation_bytes(...)["saved"]``) and its
+  estimator's figure (``planning/memory_model.py``: ``activation_bytes(...)["saved"]``) and its
   ``recompute`` term, the one block (or sub-layer) that backward rebuilds at a time.
 - time: one step = zero grads, forward, loss (cross-entropy + router losses), backward; the
   median of ``--repeats`` rounds after ``--warmup``, every policy of a model timed inside each

@@ -7,8 +7,8 @@ Wraps ``python -m deepspeed.checkpoint.ds_to_universal`` for the newest checkpoi
 ``DIR/checkpoints/universal/<tag>/`` plus ``DIR/checkpoints/universal/latest_universal``; older
 conversions there are removed. Then resume with the same command at the new layout, its DeepSpeed
 JSON carrying ``"checkpoint": {"load_universal": true}`` and the same global batch (micro x
-accumulation x data-parallel size) so the data order continues. README "Changing the layout of a
-checkpoint" lists which changes work. A bad input or a failed conversion is one line on stderr,
+accumulation x data-parallel size) so the data order continues. docs/checkpoints.md lists which
+layout changes work. A bad input or a failed conversion is one line on stderr,
 exit code 2.
 """
 
