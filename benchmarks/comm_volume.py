@@ -23,13 +23,16 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   (a ring all-reduce *is* a reduce-scatter then an all-gather: the same bytes on the wire);
   backward gathers once more where column-parallel layers stored only their input's shard (q/k/v,
   gate/up, the output head; not the MoE layer, which stores no gathered input); the norms' weight
-  gradients are summed over tp once per backward (per parameter, like sync_grad).
+  gradients are summed over tp once per backward (per parameter, see below).
 * EP: dispatch and combine each move exactly the routed rows (sum of tokens_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
   load-balancing loss (E integers).
-* ``sync_grad`` all-reduces (replicated parameters) are per parameter, not per token: reported
-  against "each replicated parameter once per backward", outside the check.
+* Replicated-parameter gradients (``model/parallel/grad_sync.py``, the model's default
+  "micro_batch" mode: one all-reduce per parameter in its gradient hook, over ep, tp,
+  or tp x ep = mp for a parameter replicated over both) are per parameter, not per token:
+  reported against "each replicated parameter once per backward", outside the check. (The
+  trainer's "step" mode for ZeRO-0/1 sums them once per optimizer step in buckets instead.)
 
 The script exits 1 when any per-token row exceeds its minimum (EP rows: differ from it), or when a
 collective is issued that no row explains.
@@ -71,11 +74,11 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather",
 OP_NAMES = {"all_gather_single": "all_gather_into_tensor",
             "reduce_scatter_single": "reduce_scatter_tensor"}
 # model/parallel/comm.py helpers, wrapped only to label the collectives they issue.
-HELPERS = ("copy_to_region", "reduce_from_region", "all_to_all", "sync_grad",
+HELPERS = ("copy_to_region", "reduce_from_region", "all_to_all",
            "all_to_all_counts", "all_reduce_sum", "gather_sequence",
            "reduce_scatter_sequence", "gather_sequence_linears")
 # Helpers whose backward issues the conjugate collective (labelled like the forward call).
-CONJUGATE = ("copy_to_region", "sync_grad", "all_to_all", "gather_sequence",
+CONJUGATE = ("copy_to_region", "all_to_all", "gather_sequence",
              "reduce_scatter_sequence", "gather_sequence_linears")
 
 
@@ -122,7 +125,7 @@ class CommRecorder:
 
     Each record: op, phase (set by the caller), group name, elements this rank sends (for an
     all-reduce, the reduced tensor), of which to other ranks (all-to-all), bytes, the issuing
-    module and comm helper, and for ``sync_grad`` the parameter.
+    module and comm helper, and for a replicated parameter's gradient sum the parameter.
     """
 
     def __init__(self, model: torch.nn.Module, groups):
@@ -170,15 +173,20 @@ class CommRecorder:
 
     def _helper(self, kind, fn):
         def wrapper(x, *args, **kwargs):
-            if self._labels:     # nested (sync_grad -> copy_to_region): the outer call names it
+            if self._labels:     # nested: the outer call names it
                 return fn(x, *args, **kwargs)
             module = self._modules[-1] if self._modules else ""
-            if kind == "all_to_all":      # _exchange's 1st call dispatches, its 2nd combines
+            param = self._params.get(id(x), "")
+            if sys._getframe(1).f_code.co_filename.endswith("grad_sync.py"):
+                # ReplicaGradSync summing a parameter's .grad (or a flat bucket of them)
+                hooked = sys._getframe(1).f_locals.get("param")    # None: a flat bucket
+                kind_, param = "grad_sync", self._params.get(id(hooked), "bucket")
+            elif kind == "all_to_all":    # _exchange's 1st call dispatches, its 2nd combines
                 kind_ = ("all_to_all:dispatch", "all_to_all:combine")[self._a2a_calls[module] % 2]
                 self._a2a_calls[module] += 1
             else:
                 kind_ = kind
-            label = dict(kind=kind_, module=module, param=self._params.get(id(x), ""))
+            label = dict(kind=kind_, module=module, param=param)
             self._labels.append(label)
             try:
                 out = fn(x, *args, **kwargs)
@@ -310,15 +318,22 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
         loss.backward()
     moe_layers = [f"layers.{i}.mlp" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     used = [(n, p) for n, p in model.named_parameters() if scope == "model" or n.startswith("layers.0.")]
-    replicated_over = defaultdict(list)       # group -> numel of each parameter sync_grad must sum
+    # Which groups each parameter's gradient must be summed over, worked out here from the
+    # layout (not read from the parameter's own declaration): ep for everything outside the
+    # experts, tp for kv heads replicated over tp and, under sequence parallelism, the norms.
+    axes = defaultdict(set)
     for n, p in used:
         if groups.ep > 1 and ".experts." not in n:
-            replicated_over["ep"].append(p.numel())
+            axes[n].add("ep")
     for n, m in model.named_modules():
         in_scope = scope == "model" or n.startswith("layers.0.")
         sp_norm = groups.sequence_parallel and n.endswith("norm")    # tokens differ over tp
         if (getattr(m, "replicated_over_tp", False) or sp_norm) and in_scope:
-            replicated_over["tp"].append(m.weight.numel())
+            axes[f"{n}.weight"].add("tp")
+    replicated_over = defaultdict(list)       # group -> numel of each parameter to sum there
+    sizes_ = {n: p.numel() for n, p in used}
+    for n, over in axes.items():
+        replicated_over["mp" if len(over) == 2 else next(iter(over))].append(sizes_[n])
     return dict(records=rec.records, replicated_over=dict(replicated_over),
                 routing=[dict(module=m, tokens_per_expert=a.tokens_per_expert.tolist(),
                               local_experts=model.get_submodule(m).experts.expert_ids)
@@ -354,8 +369,8 @@ def _traffic(rec: dict, h: int) -> tuple[str, bool]:
     """(what this collective is for, whether its volume scales with tokens)."""
     kind, mod = rec["kind"], re.sub(r"^layers\.\d+\.", "", rec["module"])
     hidden = bool(rec["shape"]) and rec["shape"][-1] == h
-    if kind == "sync_grad":
-        return f"replicated-parameter grads (sync_grad over {rec['group']})", False
+    if kind == "grad_sync":
+        return f"replicated-parameter grads (grad_sync over {rec['group']})", False
     if kind.startswith("all_to_all:"):
         return f"MoE {kind.split(':')[1]} (all-to-all)", True
     if kind == "all_to_all_counts":

@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
 from model.moe.layer import MoEAux, MoELayer
-from model.parallel import comm
+from model.parallel.grad_sync import ReplicaGradSync, sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    column_parallel_linears, cross_entropy_sum, init_from_full,
@@ -37,15 +37,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.groups = groups or ParallelGroups()
         self.weight = replicated(nn.Parameter(torch.ones(hidden_size)), groups)
+        sum_grad_over(self.weight, groups, "ep", *(("tp",) if self.groups.sequence_parallel else ()))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = comm.sync_grad(self.weight, self.groups.ep_group)
-        if self.groups.sequence_parallel:
-            weight = comm.sync_grad(weight, self.groups.tp_group)
-        return weight * x32.to(x.dtype)
+        return self.weight * x32.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -105,7 +103,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, k, v = column_parallel_linears(           # one gradient all-reduce for q, k and v
-            x, [p.synced_weight() for p in (self.q_proj, self.k_proj, self.v_proj)], self.groups)
+            x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)], self.groups)
         B, S, _ = q.shape                              # S: the whole sequence, also under SP
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
@@ -133,7 +131,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_parallel_linears(           # one gradient all-reduce for gate and up
-            x, [p.synced_weight() for p in (self.gate_proj, self.up_proj)], self.groups)
+            x, [p.weight for p in (self.gate_proj, self.up_proj)], self.groups)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -267,6 +265,9 @@ class Transformer(nn.Module):
         self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
         if init_seed is not None:
             self.reset_parameters(init_seed)
+        # Sums the gradients of replicated parameters over tp/ep, per parameter in its hook; the
+        # trainer switches it to one bucketed sum per step where DeepSpeed allows it.
+        self.grad_sync = ReplicaGradSync(self, self.groups)
 
     def set_activation_checkpointing(self, policy: str) -> None:
         """Choose what backward recomputes instead of storing: a ``train.activation_checkpointing``
@@ -296,9 +297,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
                              f"parallel.tensor_parallel_size ({self.groups.tp}) under "
                              f"parallel.sequence_parallel")
-        # Tied: both uses share one gradient sum over ep.
-        tied = self.embed_tokens.synced_weight() if self.lm_head is None else None
-        x = self.embed_tokens(input_ids, weight=tied)           # (B, S, H); S/tp under SP
+        x = self.embed_tokens(input_ids)                        # (B, S, H); S/tp under SP
         rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):
@@ -310,7 +309,7 @@ class Transformer(nn.Module):
                 moe_aux.append(aux)
         x = self.norm(x)
         if self.lm_head is None:
-            logits = self.embed_tokens(x, unembed=True, weight=tied)          # (B, S, V/tp)
+            logits = self.embed_tokens(x, unembed=True)                       # (B, S, V/tp)
         else:
             logits = self.lm_head(x)
         out = TransformerOutput(logits=logits, moe_aux=moe_aux)

@@ -171,8 +171,9 @@ def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
     - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
       once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
       not ``experts``, which recomputes only the expert FFNs between the exchanges);
-    - EP, replicated parameters: every parameter outside the experts is summed over ep by
-      ``sync_grad`` once per micro-batch (2 psi_other bytes, 2(ep-1)/ep), not once per step;
+    - EP, replicated parameters: every parameter outside the experts is summed over ep once
+      per micro-batch (2 psi_other bytes, 2(ep-1)/ep): ZeRO-2/3 and pipelines; an upper bound
+      for ZeRO-0/1, where the trainer sums once per step (``model/parallel/grad_sync.py``);
     with psi and the layers of one pipeline stage, at ``_bandwidth`` (the rank order is tp,
     ep, dp, pp from fastest: model/parallel/groups.py). Pipeline p2p traffic is ignored.
     """

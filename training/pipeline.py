@@ -58,6 +58,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from model.config import TransformerConfig
 from model.parallel.groups import ParallelGroups
+from model.parallel.grad_sync import ReplicaGradSync
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
 from model.checkpointing import CheckpointPolicy
 from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, expert_parallel_rows,
@@ -230,6 +231,9 @@ class TransformerPipe(PipelineModule):
         assert (coord.pipe, coord.data, coord.model) == (groups.pp_rank, groups.dp_rank,
                                                          groups.mp_rank), "rank layouts differ"
         self.cfg = cfg
+        # Replicated parameters' gradients summed over tp/ep per parameter in each backward (the
+        # pipeline engine runs backward per micro-batch outside the trainer's loop).
+        self.grad_sync = ReplicaGradSync(self, groups)
 
     def _blocks(self) -> list[BlockPipe]:
         return [m for m in self.forward_funcs if isinstance(m, BlockPipe)]

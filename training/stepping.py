@@ -83,6 +83,21 @@ class SpikeMonitor:
         return {"history": self.history}
 
 
+def replica_sync_mode(ds: dict) -> str:
+    """How ``model.parallel.grad_sync.ReplicaGradSync`` sums the gradients of parameters replicated
+    over tp/ep under DeepSpeed JSON ``ds`` (no pipeline): "step" (one bucketed all-reduce per
+    group at the accumulation boundary) where DeepSpeed leaves ``.grad`` alone until backward
+    returns: ZeRO-0 and ZeRO-1 without ``overlap_comm``, in fp32 (in bf16/fp16 ZeRO-0 and -1 may
+    move ``.grad`` into an fp32 accumulator in their hooks). Otherwise "micro_batch": each
+    parameter's gradient is summed in its hook, before DeepSpeed's hook takes it."""
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
+    if stage <= 1 and not zero.get("overlap_comm", False) and not half:
+        return "step"
+    return "micro_batch"
+
+
 class Stepper:
     """Runs training steps and evaluation on ``engine`` and returns metric rows.
 
@@ -113,6 +128,9 @@ class Stepper:
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
         self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
         self.pipeline = ctx.groups.pp > 1
+        self.grad_sync = None if self.pipeline else self.model.grad_sync
+        if self.grad_sync is not None:
+            self.grad_sync.mode = replica_sync_mode(ds)
         if self.pipeline:
             from training import pipeline
             gas = ds["gradient_accumulation_steps"]
@@ -164,6 +182,8 @@ class Stepper:
                 step_loss = values[0] / max(values[1], 1)
                 skip_reason = self._skip_reason(step_loss, values[2] > 0)
             where.phase = "backward"
+            if self.grad_sync is not None:   # "step" mode sums the replicas' gradients once, here
+                self.grad_sync.boundary = i == gas - 1
             engine.backward(loss, scale_wrt_gas=False)
             if i == gas - 1:
                 saved_lr = self._prepare_last_step(skip_reason)

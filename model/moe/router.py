@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.parallel import comm
+from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import replicated
 
@@ -131,16 +131,18 @@ class TopKRouter(nn.Module):
                  jitter: float = 0.0, groups=None):
         super().__init__()
         self.groups = groups or ParallelGroups()
-        self.weight = replicated(nn.Parameter(torch.empty(num_experts, hidden_size)), groups)
+        # Replicated over tp x ep; the tp ranks route the same tokens (``MoELayer`` counts the
+        # router's gradient once over tp), the ep ranks different ones.
+        self.weight = sum_grad_over(replicated(nn.Parameter(torch.empty(num_experts, hidden_size)),
+                                               groups), groups, "ep")
         self.top_k, self.normalize, self.jitter = top_k, normalize, jitter
 
     def forward(self, x: torch.Tensor, first_sample: int = 0, num_samples: int = 1):
         """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32). ``x`` holds
         ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
         micro-batch (for the jitter noise)."""
-        weight = comm.sync_grad(self.weight, self.groups.ep_group)   # replicated over ep
         noise = None
         if self.training and self.jitter > 0:
             noise = jitter_noise(tuple(x.shape), self.jitter, x.device, first_sample, num_samples)
-        r = route(x, weight, self.top_k, self.normalize, noise)
+        r = route(x, self.weight, self.top_k, self.normalize, noise)
         return r.logits, r.probs, r.expert_idx, r.weights

@@ -276,9 +276,3 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     """Differentiable ``all_to_all_single`` with uneven splits (rows of ``x``)."""
     return _AllToAll.apply(x, out_splits, in_splits, group) if _active(group) else x
 
-
-def sync_grad(param: torch.Tensor, group=None) -> torch.Tensor:
-    """Use a parameter that is replicated over ``group`` while its ranks see different tokens:
-    the identity forward, and its gradient summed over ``group`` backward, so every replica
-    gets the full gradient (and the replicas stay identical after the optimizer step)."""
-    return copy_to_region(param, group)

@@ -21,7 +21,7 @@ sequence between the tensor-parallel regions (``model/parallel/layers.py``).
 
 Expert parallelism is folded into DeepSpeed's model-parallel group (docs/zero-and-fsdp.md
 says why): experts are sharded across ``ep`` like tensor-parallel shards, every other
-parameter is replicated across ``ep`` with its gradient summed there by ``sync_grad``, and ZeRO
+parameter is replicated across ``ep`` with its gradient summed there (``grad_sync.py``), and ZeRO
 reduces/shards everything over ``dp`` only. This works at every ZeRO stage with stacked expert
 weights.
 """

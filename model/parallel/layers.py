@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.parallel import comm
+from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 
 
@@ -115,7 +116,8 @@ class ColumnParallelLinear(nn.Module):
     """``y = x W^T`` with W's output rows split over the tp group (no bias).
 
     The input is replicated over tp (its gradient is summed there); the output stays sharded
-    along its last dim. Weights replicated over ep get their gradient summed over ep.
+    along its last dim. Weights replicated over ep (and over tp when every tp rank holds all rows)
+    declare it (``sum_grad_over``): ``ReplicaGradSync`` sums their gradient there.
 
     Args:
         in_features, out_features: full sizes.
@@ -136,18 +138,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(out_index), in_features))
         sharded = ("tp",) if len(out_index) < out_features else ()
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
-
-    def synced_weight(self) -> torch.Tensor:
-        """The weight as the forward uses it: its gradient summed over ep (replicated there),
-        and over tp when every tp rank holds all rows."""
-        weight = comm.sync_grad(self.weight, self.groups.ep_group)
-        if self.replicated_over_tp:
-            weight = comm.sync_grad(weight, self.groups.tp_group)
-        return weight
+        sum_grad_over(self.weight, g, "ep", *(("tp",) if self.replicated_over_tp else ()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Layers that share an input go through ``column_parallel_linears`` together."""
-        return column_parallel_linears(x, (self.synced_weight(),), self.groups)[0]
+        return column_parallel_linears(x, (self.weight,), self.groups)[0]
 
 
 class RowParallelLinear(nn.Module):
@@ -161,9 +156,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp))
         shard_param(self.weight, g, (out_features, in_features),
                     [(1, even_slice(in_features, tp, rank))], ("tp",) if tp > 1 else ())
+        sum_grad_over(self.weight, g, "ep")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, comm.sync_grad(self.weight, self.groups.ep_group))
+        y = F.linear(x, self.weight)
         return leave_tp_region(y, self.groups)
 
 
@@ -173,8 +169,8 @@ class VocabParallelEmbedding(nn.Module):
     ``forward(ids)``: each rank looks up the ids in its range, zeros the rest, and the partial
     embeddings are summed over tp (under sequence parallelism each rank keeps its (B, S/tp, H)
     shard of the sum). ``forward(h, unembed=True)``: this rank's slice of the logits, (B, S, V/tp),
-    for ``cross_entropy_sum``. A tied model passes both calls one ``synced_weight()``, so the
-    weight's gradient is summed over ep once, not once per use.
+    for ``cross_entropy_sum``. Tied, both calls use the one weight: its gradient is summed over
+    ep once per backward (``model.parallel.grad_sync``), not once per use.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, groups=None):
@@ -186,14 +182,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size // tp, hidden_size))
         shard_param(self.weight, g, (vocab_size, hidden_size),
                     [(0, list(range(self.start, self.end)))], ("tp",) if tp > 1 else ())
-
-    def synced_weight(self) -> torch.Tensor:
-        """The weight with its gradient summed over ep (replicated there)."""
-        return comm.sync_grad(self.weight, self.groups.ep_group)
+        sum_grad_over(self.weight, g, "ep")
 
     def forward(self, x: torch.Tensor, unembed: bool = False,
                 weight: torch.Tensor | None = None) -> torch.Tensor:
-        weight = self.synced_weight() if weight is None else weight
+        weight = self.weight if weight is None else weight
         if unembed:
             return column_parallel_linears(x, (weight,), self.groups)[0]
         if self.groups.tp == 1:

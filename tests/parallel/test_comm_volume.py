@@ -110,8 +110,9 @@ def test_experts_checkpointing_does_not_repeat_the_expert_exchange():
 
 
 def test_tied_embedding_gradient_is_summed_over_ep_once():
-    # The embedding and the tied head share one sync_grad: one all-reduce per replicated
-    # parameter (``analyse`` notes any parameter summed more often).
+    # The embedding and the tied head are one parameter: its gradient hook runs
+    # once per backward, one all-reduce per replicated parameter (``analyse`` notes any
+    # parameter summed more often).
     sizes = cv.Sizes(**{**SIZES.__dict__, "tie_embeddings": True})
     sync = [r for r in cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
             if r.scope == "model" and r.traffic.startswith("replicated")]
