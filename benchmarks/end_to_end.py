@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     for size, _, ours, theirs, ratio in results:
         print(f"{size}: ours / transformers tokens/s = {ratio:.2f} (median of per-step ratios; "
               f"of the medians {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f})")
+    run_setup.shutdown()
     return 0
 
 

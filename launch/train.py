@@ -147,6 +147,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
             break
     checkpoint.wait_for_pruning()
     tracker.close()
+    run_setup.shutdown()
     return 0
 
 

@@ -179,6 +179,13 @@ def init_distributed(recipe: Recipe) -> DistContext:
     return DistContext(rank, world, local_rank, device, groups, gpu=gpu, launch_id=launch_id)
 
 
+def shutdown() -> None:
+    """Tear the process groups down before the interpreter exits, as torch asks: left to static
+    destruction, NCCL may drop pending work and gloo's threads can abort the process at exit."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer, data, model, engine.
 

@@ -122,6 +122,7 @@ def main(out_path: str) -> None:
         del engine, model
     if rank == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

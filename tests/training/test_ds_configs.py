@@ -265,6 +265,7 @@ for _ in range(4):
     engine.step()
 moved = (model[0].weight.detach().float() - before).abs().max().item() > 0
 print("RESULT", json.dumps([type(engine.basic_optimizer).__name__, type(engine.lr_scheduler).__name__, lrs, moved]))
+torch.distributed.destroy_process_group()
 """
 
 
