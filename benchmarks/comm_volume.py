@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model import DenseConfig, MixtralConfig, Transformer  # noqa: E402
 from model.config import MoEConfig  # noqa: E402
+from model.moe.layer import load_balancing_losses  # noqa: E402
 from model.parallel import comm  # noqa: E402
 from model.parallel.groups import build_groups  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -257,10 +258,12 @@ def _sent_tensors(op, a) -> list[torch.Tensor]:
 
 
 def _model_frame() -> str:
-    """Qualified name of the innermost model/ function on the stack (the issuing code)."""
+    """Qualified name of the innermost model/ function on the stack outside the ``comm``
+    wrappers (the issuing code)."""
     f = sys._getframe(2)
     while f is not None:
-        if f"{os.sep}model{os.sep}" in f.f_code.co_filename:
+        name = f.f_code.co_filename
+        if f"{os.sep}model{os.sep}" in name and not name.endswith(os.path.join("parallel", "comm.py")):
             return f.f_code.co_qualname
         f = f.f_back
     return ""
@@ -309,7 +312,8 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
             else:
                 y, aux = model.layers[0](x, rope)
             auxes = [aux] if aux is not None else []
-            loss = (y * dy).sum() + sum(cfg.moe.aux_loss_coef * a.aux_loss for a in auxes)
+            loss = (y * dy).sum() + sum(cfg.moe.aux_loss_coef * load_balancing_losses([a], groups.ep_group)[0]
+                                        for a in auxes)
         else:
             out = model(ids, labels)
             auxes = out.moe_aux
@@ -375,8 +379,8 @@ def _traffic(rec: dict, h: int) -> tuple[str, bool]:
         return f"MoE {kind.split(':')[1]} (all-to-all)", True
     if kind == "all_to_all_counts":
         return "MoE count exchange", True
-    if kind == "all_reduce_sum" and mod.startswith("mlp"):
-        return "MoE routed counts (load-balancing loss)", True
+    if kind == "all_reduce_sum" and rec["site"] == "load_balancing_losses":
+        return "MoE routed counts (load-balancing loss, all layers at once)", True
     if mod.startswith("self_attn") and hidden:
         return "attention in/out (TP)", True
     if mod.startswith("mlp") and hidden:
@@ -479,6 +483,8 @@ def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> No
         row.minimum, row.formula = moe * ep * s.experts, f"{moe}·ep·E (E ints per rank)"
     elif t.startswith("MoE routed"):
         row.minimum, row.formula = moe * s.experts, f"{moe}·E"
+        if row.count > 1:
+            row.ok, row.note = False, f"{row.count} calls: one per micro-batch for all MoE layers"
     elif t.startswith("replicated"):
         sizes = ctx["replicated"].get(t.split("over ")[1].rstrip(")"), [])
         row.minimum, row.formula = sum(sizes), f"{len(sizes)} params once"

@@ -9,7 +9,9 @@ process group is created or any file written; a bad input is one line on stderr 
 Running out of memory is one line too, exit code 3, with a report and the next layout to try in
 the run directory (``planning/oom.py``).
 Running the same command again with the same run directory resumes from the newest complete
-checkpoint with the same data order and RNG streams.
+checkpoint with the same data order and RNG streams. A preemption signal (SIGTERM, SIGUSR1:
+``train.preemption_signals``) makes every rank finish its optimizer step, save it, and exit with
+code 75 (``training/preemption.py``).
 
 The loop is one straight line: recipe -> process groups -> data -> model -> deepspeed.initialize
 -> (forward, backward, step) per micro-batch -> metrics, eval, checkpoint.
@@ -29,7 +31,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from training import checkpoint, ds_config, run_setup, stepping  # noqa: E402
+from training import checkpoint, ds_config, preemption, run_setup, stepping  # noqa: E402
 from planning import oom  # noqa: E402
 from training.recipe import Recipe, load_recipe  # noqa: E402
 
@@ -112,6 +114,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
                                                  plan.ds, ctx, plan.dp_size)
+    preempted, stepper.preemption = False, preemption.Preemption(tcfg.preemption_signals, rank0)
 
     for step in range(start_step + 1, tcfg.steps + 1):
         # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed, step,
@@ -127,13 +130,15 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         tracker.log(row, extra)
         progress.update(row)
         # spike_action "stop": the spiking step was skipped (no weight changed); save that state.
+        # A preemption signal on any rank: every rank saves this step and exits.
         stop = row.get("stopped")
-        if not stop and recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
+        preempted = stepper.stop_requested
+        if not (stop or preempted) and recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
             eval_loss = stepper.evaluate(val_batches)
             tracker.log({"step": step, "eval_loss": eval_loss})
             if rank0:
                 print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
-        if stop or step % tcfg.save_every == 0 or step == tcfg.steps:
+        if stop or preempted or step % tcfg.save_every == 0 or step == tcfg.steps:
             where.phase = "checkpoint save"
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
@@ -145,10 +150,15 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
                       f"(e.g. a lower lr or --set train.spike_action=skip) and run the command "
                       f"again to resume", file=sys.stderr, flush=True)
             break
+        if preempted:
+            if rank0:
+                print(f"preempted at step {step}: {ckpt_dir / tag} saved; run the same command "
+                      f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)
+            break
     checkpoint.wait_for_pruning()
     tracker.close()
-    run_setup.shutdown()
-    return 0
+    stepper.preemption.close()
+    return preemption.EXIT_CODE if preempted else 0
 
 
 def main(argv=None) -> int:
@@ -160,7 +170,10 @@ def main(argv=None) -> int:
         return 2
     where = stepping.StepContext()
     try:
-        return train(plan, where)
+        rc = train(plan, where)
+        where.engine = where.model = None
+        run_setup.shutdown()       # only after a clean run: a failed rank must not wait on others
+        return rc
     except (ValueError, FileNotFoundError) as err:   # e.g. a corrupted checkpoint found on resume
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
-from model.moe.layer import MoEAux, MoELayer
+from model.moe.layer import MoEAux, MoELayer, load_balancing_losses
 from model.parallel.grad_sync import ReplicaGradSync, sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -316,7 +316,7 @@ class Transformer(nn.Module):
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the
             # micro-batch's values (see MoEAux).
-            out.aux_loss = torch.stack([a.aux_loss for a in moe_aux]).mean()
+            out.aux_loss = load_balancing_losses(moe_aux, self.groups.ep_group).mean()
             out.z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         if labels is not None:
             head = self.embed_tokens if self.lm_head is None else self.lm_head

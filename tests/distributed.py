@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.distributed as dist
@@ -29,6 +30,12 @@ def _worker(rank, world_size, port, fn, args, errors):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Done and reported: leave without interpreter finalization, where gloo's worker threads
+    # can still abort the process ("terminate called without an active exception", seen about
+    # once a day here even after destroy_process_group; pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> None:

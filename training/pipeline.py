@@ -57,6 +57,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from model.config import TransformerConfig
+from model.moe.layer import load_balancing_losses
 from model.parallel.groups import ParallelGroups
 from model.parallel.grad_sync import ReplicaGradSync
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
@@ -130,9 +131,10 @@ class BlockPipe(nn.Module):
         else:
             x, aux = self.block(x, rope)
         if aux is not None:
-            aux_sum = aux_sum + aux.aux_loss
+            balance = load_balancing_losses([aux], self.groups.ep_group)[0]
+            aux_sum = aux_sum + balance
             z_sum = z_sum + aux.z_loss
-            self.moe_stats.append([t.detach() for t in (aux.aux_loss, aux.z_loss, aux.entropy,
+            self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,
                                                         aux.dropped_frac, aux.tokens_per_expert)])
         return x, aux_sum, z_sum
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -122,6 +123,8 @@ class TrainConfig:
     """A step's loss above spike_factor x the running mean of the last spike_window steps spikes."""
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
+    preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("seed", 0), ("save_every", 1), ("keep_last", 0),
@@ -130,6 +133,11 @@ class TrainConfig:
         _ = self.checkpointing  # raises on a misspelt policy
         if not self.spike_factor > 1.0:
             raise ValueError(f"train.spike_factor ({self.spike_factor}) must be > 1, e.g. 4.0")
+        for name in self.preemption_signals:
+            if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None),
+                                                                signal.Signals):
+                raise ValueError(f"train.preemption_signals: {name!r} is not a signal a process "
+                                 f"can catch; use names such as SIGTERM, SIGUSR1, SIGUSR2")
 
     @property
     def checkpointing(self) -> CheckpointPolicy:

@@ -3,6 +3,7 @@ DeepSpeed engine, resolved config and tracking. ``train.py`` reads as the straig
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -183,6 +184,7 @@ def shutdown() -> None:
     """Tear the process groups down before the interpreter exits, as torch asks: left to static
     destruction, NCCL may drop pending work and gloo's threads can abort the process at exit."""
     if torch.distributed.is_initialized():
+        gc.collect()       # the run's engine and model, with any work handles they still hold
         torch.distributed.destroy_process_group()
 
 

@@ -128,6 +128,8 @@ class Stepper:
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
         self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
         self.pipeline = ctx.groups.pp > 1
+        self.preemption = None          # a training.preemption.Preemption, set by the trainer
+        self.stop_requested = False     # a rank got a preemption signal before this step's end
         self.grad_sync = None if self.pipeline else self.model.grad_sync
         if self.grad_sync is not None:
             self.grad_sync.mode = replica_sync_mode(ds)
@@ -178,7 +180,7 @@ class Stepper:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
                 self._check_router_replicas(step, stats)
-                values = comm.all_reduce_sum(stats, self.ctx.batch_group).tolist()
+                values = self._to_host(comm.all_reduce_sum(stats, self.ctx.batch_group))
                 step_loss = values[0] / max(values[1], 1)
                 skip_reason = self._skip_reason(step_loss, values[2] > 0)
             where.phase = "backward"
@@ -228,12 +230,22 @@ class Stepper:
         self.model.add_step_stats(stats, gas)        # device-side adds (training/pipeline.py)
         self._check_router_replicas(self.where.step, stats)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
-        values = comm.all_reduce_sum(stats, self.ctx.groups.pp_group).tolist()
+        values = self._to_host(comm.all_reduce_sum(stats, self.ctx.groups.pp_group))
         step_loss = values[0] / max(values[1], 1)
         skip_reason = self._skip_reason(step_loss, values[2] > 0)
         saved_lr = self._prepare_last_step(skip_reason)
         self.where.phase = "optimizer step"
         self._decided = (values, step_loss, saved_lr, skip_reason)
+
+    def _to_host(self, stats: torch.Tensor) -> list[float]:
+        """The step's one host copy: the summed statistics, and whether any rank of the job has
+        received a preemption signal (one all-reduce of one number over the job, so that every
+        rank stops after the same step; ``training/preemption.py``). Sets ``stop_requested``."""
+        signalled = self.preemption is not None and self.preemption.received is not None
+        stop = torch.full((1,), float(signalled), dtype=stats.dtype, device=stats.device)
+        values = torch.cat((stats, comm.job_sum(stop))).tolist()
+        self.stop_requested = values.pop() > 0
+        return values
 
     def _accumulate(self, stats: torch.Tensor, out, loss: torch.Tensor, gas: int) -> None:
         # Device-side adds only: no value leaves the device per micro-batch or per layer.

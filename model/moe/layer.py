@@ -29,12 +29,13 @@ class MoEAux:
 
     Every field is this rank's contribution: under expert parallelism, where each ep rank routes
     its own slice of the micro-batch, summing a field over the ep group gives the value over the
-    whole micro-batch (with one rank it is that value). The load-balancing loss uses the routed
-    counts of the whole micro-batch (all-reduced, no gradient) with this rank's probabilities,
-    so its gradient is exactly that of the micro-batch's loss.
+    whole micro-batch (with one rank it is that value). The load-balancing loss needs the routed
+    counts of the whole micro-batch, so it is not a field: ``load_balancing_losses`` computes it
+    for all MoE layers at once, after the forward, with one all-reduce of their counts.
     """
 
-    aux_loss: torch.Tensor            # scalar, 1.0 at perfect balance (summed over ep)
+    mean_prob: torch.Tensor           # (E,) this rank's share of the mean router probability
+    balance_scale: float              # E / (k*T), T the micro-batch's tokens
     z_loss: torch.Tensor              # scalar
     tokens_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
     dropped_frac: torch.Tensor        # scalar, dropped assignments / (k*T)
@@ -129,9 +130,9 @@ class MoELayer(nn.Module):
         out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
 
         routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id
-        routed_all = comm.all_reduce_sum(routed.clone(), self.groups.ep_group)
         aux = MoEAux(
-            aux_loss=losses.load_balancing_loss(routing.probs, routed_all, moe.top_k, total_tokens),
+            mean_prob=routing.probs.sum(dim=0) / total_tokens,
+            balance_scale=moe.num_experts / (moe.top_k * total_tokens),
             z_loss=losses.router_z_loss(routing.logits, total_tokens),
             tokens_per_expert=routed.detach(),
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
@@ -180,6 +181,20 @@ class MoELayer(nn.Module):
                                                                           device=order.device))
         y = y.index_select(0, inverse)                                      # back to source order
         return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group)    # (N, H)
+
+
+def load_balancing_losses(auxes: list[MoEAux], ep_group=None) -> torch.Tensor:
+    """(L,) this rank's share of each MoE layer's load-balancing loss (``losses.
+    load_balancing_loss``), summing over the ep group to the micro-batch's loss.
+
+    The loss weighs each expert's mean probability by its routed count over the whole
+    micro-batch. The counts carry no gradient, so the layers' counts are summed over the ep group
+    here, after the forward, in one all-reduce per micro-batch rather than one per layer (and
+    none is repeated when backward recomputes a checkpointed layer).
+    """
+    counts = torch.stack([a.tokens_per_expert for a in auxes])              # (L, E) this rank's
+    counts = comm.all_reduce_sum(counts, ep_group).to(auxes[0].mean_prob.dtype)  # micro-batch's
+    return torch.stack([a.balance_scale * (c * a.mean_prob).sum() for a, c in zip(auxes, counts)])
 
 
 def _at_rank(groups: ParallelGroups, ep_rank: int) -> ParallelGroups:

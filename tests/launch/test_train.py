@@ -145,6 +145,76 @@ def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_pat
     assert kept == ["step00000006", "step00000009", "step00000010"]      # keep_last 3
 
 
+def _signal_after_step(proc, run_dir: Path, step: int) -> float:
+    """SIGTERM to every process of the run (the torchrun agent, which forwards it, and the ranks:
+    each rank gets it twice, as under SLURM) once metrics.jsonl shows ``step``, and a second
+    SIGTERM half a second later; returns the time of the first."""
+    import signal
+    import time
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.is_file() and f'"step": {step},' in metrics.read_text()):
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be signalled"
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    subprocess.run(["pkill", "-TERM", "-f", f"launch/train.py.*{run_dir}"], check=False)
+    return sent
+
+
+def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zero_runs, tmp_path):
+    """Preemption (``training/preemption.py``): the ranks finish the step they are in, save it
+    (not a save step: save_every is 100) and exit 75 within 60 s; the same command resumes and
+    the losses match the uninterrupted run's."""
+    import re
+    import time
+    run_dir = tmp_path / "preempted"
+    sent = _signal_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", wait=False), run_dir, 2)
+    proc_log = tmp_path / "preempted.log"
+    deadline = sent + 60
+    while time.time() < deadline and "exit code 75" not in proc_log.read_text():
+        time.sleep(0.1)
+    log = proc_log.read_text()
+    found = re.search(r"preempted at step (\d+): .*(step\d{8}) saved.*\(exit code 75\)", log)
+    assert found, log[-3000:]
+    step = int(found.group(1))
+    assert 2 <= step < STEPS, log[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == found.group(2)
+    assert found.group(2) == f"step{step:08d}"
+    assert "received SIGTERM: finishing this optimizer step" in log
+    time.sleep(2)                                 # the launcher's own exit after its workers'
+    launch(run_dir, "ds_configs/zero3_fp32.json")     # the same command again
+    assert f"resumed from {run_dir / 'checkpoints' / found.group(2)}" in proc_log.read_text()
+    resumed, ref = rows(run_dir), rows(zero_runs[3])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))   # no step lost or repeated
+    for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]   # as the SIGKILL test
+
+
+def test_preemption_exit_code_and_signal_names(tmp_path):
+    """One process (``python launch/train.py``): SIGUSR1 is a preemption signal too, and the
+    process itself exits 75; a signal name that cannot be caught is refused before the start."""
+    import signal
+    import time
+    run_dir = tmp_path / "usr1"
+    proc = launch(run_dir, "ds_configs/zero1_fp32.json", nproc=1, wait=False)
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.is_file() and '"step": 1,' in metrics.read_text()):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=60) == 75, (tmp_path / "usr1.log").read_text()[-3000:]
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("step"):])
+    assert 1 <= step < STEPS
+    bad = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
+                          "--run-dir", str(tmp_path / "bad"), "--set", "train.preemption_signals=[SIGKILL]"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: train.preemption_signals: 'SIGKILL' is not a signal a process can catch; use names "
+        "such as SIGTERM, SIGUSR1, SIGUSR2"], bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path):
     run_dir = tmp_path / "wb"
     # lr 1e-2 so that 10 steps learn enough for evaluate.py to tell a trained model from a random

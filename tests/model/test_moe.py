@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from model.config import MoEConfig, SwitchConfig
 from model.moe import dispatcher, losses
 from model.moe.experts import _looped_mm, grouped_mm
-from model.moe.layer import MoELayer
+from model.moe.layer import MoELayer, load_balancing_losses
 from model.moe.router import route
 from model.transformer import MLP
 
@@ -121,7 +121,7 @@ def test_switch_with_one_expert_equals_dense_mlp():
     out, aux = layer(x)
     # One expert: softmax over one logit is exactly 1.0, so the combine weight is exactly 1.
     torch.testing.assert_close(out, mlp(x), rtol=1e-6, atol=1e-6)
-    assert aux.aux_loss.item() == pytest.approx(1.0)
+    assert load_balancing_losses([aux]).item() == pytest.approx(1.0)
 
 
 def test_dropless_equals_infinite_capacity():
@@ -163,7 +163,7 @@ def test_router_math_is_fp32_under_bf16():
     assert not torch.equal(F.linear(x.reshape(-1, H), layer.gate.weight).float(), r.logits)
     out, aux = layer(x)
     assert out.dtype == torch.bfloat16
-    assert aux.z_loss.dtype == aux.aux_loss.dtype == torch.float32
+    assert aux.z_loss.dtype == load_balancing_losses([aux]).dtype == torch.float32
 
 
 @pytest.fixture
@@ -335,7 +335,7 @@ def _forward_backward_syncs(layer: MoELayer, x: torch.Tensor) -> list[tuple[str,
     layer.train()
     with HostSyncs() as syncs:
         out, aux = layer(x)
-        (out.square().sum() + aux.aux_loss + aux.z_loss).backward()
+        (out.square().sum() + load_balancing_losses([aux]).sum() + aux.z_loss).backward()
     return syncs.calls
 
 
@@ -388,7 +388,7 @@ def test_capacity_drops_are_the_same_on_the_kernel_and_the_loop(monkeypatch):
         layer = _layer(moe)
         xi = x.clone().requires_grad_()
         out, aux = layer(xi)
-        (out.square().sum() + aux.aux_loss).backward()
+        (out.square().sum() + load_balancing_losses([aux]).sum()).backward()
         assert aux.dropped_frac.item() > 0.3
         results.append([out, xi.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(*results):
@@ -440,7 +440,7 @@ def test_moe_layer_device_syncs_on_gpu(dtype):
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 out, aux = layer(x)
-                (out.float().square().sum() + aux.aux_loss + aux.z_loss).backward()
+                (out.float().square().sum() + load_balancing_losses([aux]).sum() + aux.z_loss).backward()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
