@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[1]   # the stock ds_configs/ the planner
 # Estimate.
 
 def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
-             gpu: str = "h100-80gb", host_memory_gb: float | None = None) -> dict:
+             gpu: str = "h100-80gb", host_memory_gb: float | None = None,
+             on_gpu: bool = True) -> dict:
     """Per-GPU memory (bytes) of ``recipe`` under DeepSpeed JSON ``ds`` on ``gpus`` GPUs.
 
     Returns a dict with the layout, ``stages`` (one estimate per distinct pipeline stage: the
@@ -53,7 +54,9 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     ``worst`` (the stage with the largest total), ``build`` (the peak of building the model,
     ``planning/build_memory.py``, against ``host_memory_gb`` per node, default
     ``HOST_GB_PER_GPU`` per GPU, and the usable GPU memory; ``reason`` says why it does not
-    fit) and ``fits`` (the step and the build).
+    fit) and ``fits`` (the step and the build). ``on_gpu=False`` counts the optimizer's
+    temporaries as its CPU code path allocates them (``memory_model.optimizer_temporaries``),
+    for checking the estimate against runs on CPU ranks.
 
     Raises:
         ValueError: what the trainer refuses (``Recipe.dims`` on ``gpus``,
@@ -67,7 +70,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     check_layout(ds, dims)
     micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
-    stages = [_stage(recipe, layout, ds, s, micro) for s in sorted({0, layout.pp - 1})]
+    stages = [_stage(recipe, layout, ds, s, micro, on_gpu) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
     usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
     host_memory = (host_memory_gb or HOST_GB_PER_GPU * gpus_per_node) * GB
@@ -106,7 +109,8 @@ def _build(stages: list[dict], zero_stage: int, ranks_per_node: int, host_memory
             "host_memory": host_memory, "fits": reason is None, "reason": reason}
 
 
-def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int) -> dict:
+def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
+           on_gpu: bool = True) -> dict:
     cfg, zero = recipe.model, ds.get("zero_optimization") or {}
     a = mm.DTYPE_BYTES[mm.precision_of(ds)]
     params = mm.local_params(cfg, layout, stage)
@@ -117,7 +121,8 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int) 
     if cfg.moe is not None and layout.ep > 1:   # send + receive of one MoE layer: 2 k T h
         a2a = 2 * mm.routed_rows(cfg, acts["tokens_per_rank"]) * cfg.hidden_size * a
     buffers = mm.buffer_bytes(zero, int(zero.get("stage", 0)), a, params["total"],
-                              params["largest_module"], layout.dp, a2a)
+                              params["largest_module"], layout.dp, a2a,
+                              mm.optimizer_temporaries(ds, on_gpu))
     during_backward = acts["total"] + buffers["reduce_bucket"] + buffers["zero3_gather"] + a2a
     model_states = states["params"] + states["grads"] + states["optimizer"]
     return {"stage": stage, "params": params, "states": states, "activations": acts,
