@@ -95,6 +95,32 @@ _run() {
     exec "$@"
 }
 
+# _run_preemptible ARGS...: as _run, for a SLURM batch script submitted with
+# `--signal=B:USR1@SECONDS` and `--requeue`: the batch shell stays up while ARGS (srun) runs, so
+# that when SLURM's warning arrives it can pass SIGTERM on to the ranks (srun forwards signals to
+# its tasks, torchrun to its workers). The ranks finish their step, save it and exit 75
+# (training/preemption.py); the job then requeues itself and the same command resumes.
+_run_preemptible() {
+    (( DRY_RUN )) && _run "$@"
+    echo "+ $(_quote "$@")" >&2
+    "$@" &
+    _CHILD=$! _PREEMPTED=0
+    trap '_PREEMPTED=1; echo "$(basename "$0"): SLURM time limit near: SIGTERM to the ranks, which save their step and exit" >&2; kill -TERM "$_CHILD"' USR1
+    local rc
+    while :; do
+        rc=0; wait "$_CHILD" || rc=$?
+        kill -0 "$_CHILD" 2>/dev/null || break      # still running: the trap cut the wait short
+    done
+    trap - USR1
+    if (( _PREEMPTED )); then
+        scontrol requeue "$SLURM_JOB_ID" ||
+            die "scontrol requeue $SLURM_JOB_ID failed: submit the same sbatch line again to resume"
+        echo "$(basename "$0"): requeued job $SLURM_JOB_ID; it resumes from the step the ranks saved" >&2
+        exit 0
+    fi
+    exit "$rc"
+}
+
 # ---- One function per launcher.
 
 # Local CPU ranks over gloo. torchrun --standalone rather than `deepspeed --num_gpus N`: it is the
@@ -157,7 +183,7 @@ launch_srun_torchrun() {
     (( ${#hosts[@]} == NUM_NODES )) ||
         die "the job has ${#hosts[@]} nodes, this script needs $NUM_NODES (copy it for another shape)"
     : "${MASTER_ADDR:=${hosts[0]}}" "${MASTER_PORT:=29500}"
-    _run srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
+    _run_preemptible srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
         torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" --rdzv_backend c10d \
         --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" "${TRAIN[@]}"
 }

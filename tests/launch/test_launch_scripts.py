@@ -199,3 +199,43 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
     dry = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path)
     assert shlex.split(dry.stdout) == ["deepspeed", *shlex.split(argv_line)]
     assert (tmp_path / ".deepspeed_env").read_text() == "MY_VAR=2\n"
+
+
+def test_slurm_script_passes_the_time_limit_warning_to_the_ranks_and_requeues(tmp_path):
+    """Not a dry run: a fake ``srun`` stands for the ranks (it exits 75 on SIGTERM, as the trainer
+    does after saving), a fake ``scontrol`` records the requeue. SLURM's warning (USR1 to the
+    batch script, ``--signal=B:USR1@600``) must reach the ranks as SIGTERM, and the script must
+    requeue the job and exit 0."""
+    import signal
+    import time
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = _slurm_env(tmp_path)
+    _fake_bin(tmp_path, "scontrol", f'if [ "$1" = requeue ]; then echo "$2" > {marks}/requeued; exit 0; fi\n'
+                                    f'for h in ' + " ".join(f"gpu{i:02d}" for i in range(1, 9))
+              + '; do echo $h; done\n')
+    _fake_bin(tmp_path, "srun", f"trap 'echo TERM > {marks}/term; exit 75' TERM\n"
+                                f"echo up > {marks}/started\nwhile :; do sleep 0.1; done\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen(["bash", str(REPO / "launch" / "slurm_8x8.sbatch"), RECIPE, CONFIG],
+                            cwd=REPO, env={**base, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 20
+    while not (marks / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert (marks / "started").exists(), proc.communicate(timeout=5)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert (marks / "term").read_text().strip() == "TERM"
+    assert (marks / "requeued").read_text().strip() == JOB_ID
+    assert "SLURM time limit near: SIGTERM to the ranks" in err and f"requeued job {JOB_ID}" in err
+
+
+def test_slurm_script_exit_code_is_the_ranks_without_a_warning(tmp_path):
+    """Without SLURM's warning the script exits with srun's code and requeues nothing."""
+    env = _slurm_env(tmp_path)
+    _fake_bin(tmp_path, "srun", "exit 3\n")
+    proc = _run("slurm_8x8.sbatch", RECIPE, CONFIG, env=env, dry_run=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "requeue" not in proc.stderr
