@@ -8,7 +8,8 @@
 #   3. the MoE layer benchmark against transformers (bf16, cuda), and the end-to-end step of our
 #      trainer against transformers' Mixtral (bf16 ZeRO-1, benchmarks/end_to_end.py);
 #   4. 30 fp16 steps with dynamic loss scaling (ds_configs/fp16.json);
-#   5. an NCCL all-reduce/all-to-all check on the GPU (one rank per GPU present).
+#   5. an NCCL all-reduce/all-to-all check on the GPU (one rank per GPU present);
+#   6. the device contract: 2 ranks on the one GPU over gloo bound to CUDA (parallel.backend=cuda:gloo).
 # Figures go to $OUT/gpu_figures.md (copy them into docs/PERFORMANCE.md with the date and GPU).
 # Needs a Python with a CUDA torch, deepspeed and requirements.txt installed (the device machine
 # cannot reach a package index: carry an environment, or pip install from a carried wheel dir).
@@ -35,4 +36,21 @@ python launch/train.py --config ds_configs/fp16.json --steps 30 --run-dir "$OUT/
   --set train.log_every=10 eval.every=0 2>&1 | grep -v Warning | tail -4
 python -m torch.distributed.run --nproc_per_node "$(nvidia-smi -L | wc -l)" benchmarks/nccl_check.py \
   | tee "$OUT/nccl.txt"
+# The device contract with 2 ranks on this one GPU: gloo bound to CUDA only (parallel.backend
+# cuda:gloo) refuses a CPU tensor in any collective, as NCCL does; data parallel 2 with fp32 ZeRO-0
+# clipping and an evaluation. Each rank is started by hand with LOCAL_RANK 0 (both use GPU 0).
+pids=()
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 \
+    python launch/train.py --config ds_configs/zero0_fp32.json --recipe recipes/tiny_mixtral.yaml \
+    --steps 4 --run-dir "$OUT/runs/device_contract" --set parallel.backend=cuda:gloo eval.every=4 \
+    train.log_every=2 > "$OUT/device_contract.rank$r.log" 2>&1 &
+  pids+=($!)
+done
+if wait "${pids[0]}" && wait "${pids[1]}"; then
+  echo "device contract (cuda:gloo, 2 ranks): OK" | tee "$OUT/device_contract.txt"
+else
+  echo "device contract (cuda:gloo, 2 ranks): FAILED" | tee "$OUT/device_contract.txt"
+  tail -20 "$OUT"/device_contract.rank*.log
+fi
 python benchmarks/gpu_figures.py "$OUT" | tee "$OUT/gpu_figures.md"

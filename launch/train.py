@@ -77,6 +77,7 @@ def prepare(args: argparse.Namespace) -> Plan:
     ds = ds_config.validate_ds_config(ds_config.load_ds_config(args.config), dp_size)
     ds = run_setup.resolve_ds_config(ds, recipe)
     ds_config.check_layout(ds, dims)
+    run_setup.check_backend(recipe)
     run_setup.check_data_source(recipe)
     init_from = run_setup.check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir

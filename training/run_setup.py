@@ -49,6 +49,14 @@ def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
     return ds
 
 
+def check_backend(recipe: Recipe) -> None:
+    """A backend for GPUs asked for on a machine without one: refused before the start."""
+    backend = recipe.parallel.backend
+    if backend in ("nccl", "cuda:gloo") and not torch.cuda.is_available():
+        raise ValueError(f"parallel.backend {backend} needs CUDA GPUs and this machine has none: "
+                         f"use auto (gloo on CPU) or gloo")
+
+
 def check_data_source(recipe: Recipe) -> None:
     """Resolve the data source now, so a missing file fails before anything is written."""
     corpus_lib.load_documents(recipe.data.source, recipe.data.text_field)
@@ -159,8 +167,10 @@ def init_distributed(recipe: Recipe) -> DistContext:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     timeout = timedelta(minutes=recipe.parallel.timeout_minutes)
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               timeout=timeout)
+    backend = recipe.parallel.backend
+    if backend == "auto":
+        backend = get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
