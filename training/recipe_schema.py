@@ -42,8 +42,7 @@ class ParallelConfig:
     timeout_minutes: float = 30.0
     """How long any collective may wait before the job fails (every process group's timeout)."""
     backend: Literal["auto", "nccl", "gloo", "cuda:gloo"] = "auto"
-    """Collective backend: auto (NCCL on GPUs, gloo on CPU); cuda:gloo binds gloo to the GPU only,
-    refusing CPU tensors as NCCL does, for checking the device contract with several ranks on one GPU."""
+    """auto (NCCL on GPUs, gloo on CPU); cuda:gloo refuses CPU tensors as NCCL does, on one GPU."""
 
     def __post_init__(self) -> None:
         ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
