@@ -334,6 +334,7 @@ def build_tracking(recipe: Recipe, run_dir: Path, rank0: bool, start_step: int, 
                    ctx: DistContext, dp_size: int):
     config = resolved_config(recipe, ds, ctx, dp_size) if rank0 else None
     tracker = Tracker(run_dir, rank0, recipe.tracking, config,
-                      resume_step=start_step if start_step else None, run_name=recipe.name)
+                      resume_step=start_step if start_step else None, run_name=recipe.name,
+                      router_every=recipe.train.log_every)
     progress = Progress(recipe.train.steps, recipe.train.log_every, start_step, rank0)
     return tracker, progress

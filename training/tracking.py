@@ -53,6 +53,19 @@ def _wandb_mode() -> tuple[str, str | None]:
     return ("online", None) if found else ("offline", "no W&B credentials found")
 
 
+ROUTER_FIELDS = ("tokens_per_expert", "load_max_over_mean", "router_entropy", "dropped_frac")
+
+
+def router_columns(extra: dict) -> dict:
+    """Each MoE layer's router statistics from the W&B keys ``moe/layer{i}/<field>``, as
+    ``{"blocks": [i, ...], "<field>": [value per block, ...]}`` for ``metrics.jsonl``
+    (``tokens_per_expert``: the step's routed assignments per expert, summed over the ranks)."""
+    blocks = sorted({int(key.split("/")[1][len("layer"):]) for key in extra
+                     if key.startswith("moe/layer")})
+    return {"blocks": blocks, **{name: [extra[f"moe/layer{b}/{name}"] for b in blocks]
+                                 for name in ROUTER_FIELDS}}
+
+
 class Tracker:
     """Writes metric rows to ``metrics.jsonl`` and, when enabled, to W&B.
 
@@ -63,11 +76,13 @@ class Tracker:
             ``entity``, ``tags``), or None.
         config: the resolved config, logged to W&B.
         resume_step: the step a resumed run continues from (rows after it are dropped).
+        router_every: every this many steps a row also carries each MoE layer's router
+            statistics under ``moe_layers`` (``router_columns``); 0 never.
     """
 
     def __init__(self, run_dir: Path, enabled: bool, tracking=None, config: dict | None = None,
-                 resume_step: int | None = None, run_name: str = "run"):
-        self.enabled = enabled
+                 resume_step: int | None = None, run_name: str = "run", router_every: int = 0):
+        self.enabled, self.router_every = enabled, router_every
         self.wandb_run = None
         self.path = Path(run_dir) / "metrics.jsonl"
         if not enabled:
@@ -100,6 +115,8 @@ class Tracker:
         statistics, ``moe/layer{i}/...``, see ``Stepper._moe_stats``)."""
         if not self.enabled:
             return
+        if extra and self.router_every and row["step"] % self.router_every == 0:
+            row = {**row, "moe_layers": router_columns(extra)}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
