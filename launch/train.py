@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from training import checkpoint, ds_config, preemption, run_setup, stepping  # noqa: E402
 from planning import oom  # noqa: E402
-from training.recipe import Recipe, load_recipe  # noqa: E402
+from training.recipe import Recipe, apply_overrides, load_recipe  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="output directory (default: runs/<recipe name>)")
     p.add_argument("--steps", type=int, default=None, help="override train.steps (optimizer steps)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                   help="override recipe keys, e.g. --set train.seed=1 model.moe.top_k=1")
+                   help="override recipe keys, e.g. --set train.seed=1 model.moe.top_k=1, and "
+                        "DeepSpeed JSON keys with a ds. prefix, e.g. ds.optimizer.params.lr=3e-4")
     p.add_argument("--init-from", default=None,
                    help="init dir written by `convert_hf.py import` (weights + tokenizer)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -70,11 +71,13 @@ def prepare(args: argparse.Namespace) -> Plan:
         if args.steps < 1:
             raise ValueError(f"--steps: {args.steps} must be >= 1")
         overrides.append(f"train.steps={args.steps}")
-    recipe = load_recipe(args.recipe, overrides)
+    ds_sets = [o for o in overrides if o.startswith("ds.")]       # DeepSpeed JSON keys
+    recipe = load_recipe(args.recipe, [o for o in overrides if not o.startswith("ds.")])
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims = recipe.dims(world_size)                     # the layout against the world size
     dp_size = dims.dp
-    ds = ds_config.validate_ds_config(ds_config.load_ds_config(args.config), dp_size)
+    ds = apply_overrides(ds_config.load_ds_config(args.config), ds_sets, "DeepSpeed key", "ds.")
+    ds = ds_config.validate_ds_config(ds, dp_size)
     ds = run_setup.resolve_ds_config(ds, recipe)
     ds_config.check_layout(ds, dims)
     run_setup.check_backend(recipe)

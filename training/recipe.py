@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import re
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,24 +71,38 @@ def load_recipe(path: str | Path | None, overrides: Sequence[str] = ()) -> Recip
     return recipe_from_dict(apply_overrides(raw, overrides))
 
 
-def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Returns a deep copy of ``raw`` with each ``dotted.key=value`` set (value parsed as YAML)."""
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set`` value: YAML, except that numbers YAML 1.1 reads as strings (``1e-3``, ``3E5``)
+    are numbers; an unparsable text (an unquoted glob such as ``*.txt``) stays text."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str], what: str = "recipe key",
+                    prefix: str = "") -> dict[str, Any]:
+    """Returns a deep copy of ``raw`` with each ``<prefix>dotted.key=value`` set (value parsed as
+    YAML); ``what`` names the keys in errors."""
     out = copy.deepcopy(dict(raw))
     for item in overrides:
         key, sep, text = item.partition("=")
-        parts = key.strip().split(".")
+        parts = key.strip()[len(prefix):].split(".")
         if not sep or not all(parts):
             raise ValueError(f"--set {item!r}: expected dotted.key=value, e.g. train.steps=50")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            value = text  # e.g. an unquoted glob like *.txt, which YAML reads as an alias
+        value = parse_value(text)
         node = out
         for i, part in enumerate(parts[:-1]):
             if node.get(part) is None:
                 node[part] = {}
             elif not isinstance(node[part], dict):
-                raise ValueError(f"--set {item!r}: recipe key {'.'.join(parts[:i + 1])} is a "
+                raise ValueError(f"--set {item!r}: {what} {'.'.join(parts[:i + 1])} is a "
                                  f"value, not a section: set it directly")
             node = node[part]
         node[parts[-1]] = value

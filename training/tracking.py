@@ -100,7 +100,9 @@ class Tracker:
         mode, why = _wandb_mode()
         # Reusing the run id lets a resumed run append to the same W&B run.
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        # A W&B sweep agent names the run it started (WANDB_RUN_ID).
+        run_id = (id_file.read_text().strip() if id_file.is_file()
+                  else os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:8])
         id_file.write_text(run_id)
         self.wandb_run = wandb.init(
             project=tracking.project, entity=tracking.entity, name=tracking.run_name or run_name,
