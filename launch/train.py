@@ -8,8 +8,9 @@ Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
 process group is created or any file written; a bad input is one line on stderr and exit code 2.
 Running out of memory is one line too, exit code 3, with a report and the next layout to try in
 the run directory (``planning/oom.py``).
-Running the same command again with the same run directory resumes from the newest complete
-checkpoint with the same data order and RNG streams. A preemption signal (SIGTERM, SIGUSR1:
+Running the same command again with the same run directory resumes from the newest checkpoint
+that matches its manifest (``training/manifest.py``) with the same data order and RNG streams;
+when checkpoints exist but none matches, it stops with one line (exit code 2). A preemption signal (SIGTERM, SIGUSR1:
 ``train.preemption_signals``) makes every rank finish its optimizer step, save it, and exit with
 code 75 (``training/preemption.py``).
 
@@ -97,7 +98,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
     if rank0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, corpus = run_setup.build_tokenizer(recipe, run_dir, plan.init_from, ctx)
+    tokenizer, corpus = run_setup.build_tokenizer(recipe, plan.init_from, ctx)
     sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
 
     model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups, plan.ds)
@@ -113,8 +114,9 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         if rank0:
             print(f"resumed from {ckpt_dir / checkpoint.tag_for_step(start_step)}", flush=True)
     where.phase = "start-up"
-    if rank0:           # after the load: a refused resume must not overwrite the recorded layout
+    if rank0:           # after the load: a refused resume writes nothing into the run directory
         run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
+        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
                                                  plan.ds, ctx, plan.dp_size)

@@ -2,27 +2,32 @@
 
 Layout under ``<run-dir>/checkpoints/``::
 
-    step00000050/      DeepSpeed's files for the checkpoint taken after optimizer step 50
+    step00000050/      DeepSpeed's files for the checkpoint taken after optimizer step 50,
+                       and manifest.json (every file's size and CRC-32), written last
     step00000100/
-    latest             the newest COMPLETE tag; DeepSpeed's ``load_checkpoint`` reads it
+    latest             the newest verified tag (the offline tools read it)
 
-DeepSpeed's ``save_checkpoint`` is told not to write ``latest`` itself; rank 0 writes it
-(atomically) only after every rank has finished writing its shards, so a run killed mid-save
-resumes from the previous checkpoint instead of a half-written one. Old tags beyond ``keep_last``
-are deleted after the pointer has moved, by rank 0 in a background thread: no rank waits in a
-collective while hundreds of GB are removed.
+DeepSpeed's ``save_checkpoint`` is told not to write ``latest`` itself. Once every rank has
+written its shards, the ranks hash the tag's files, rank 0 writes the manifest
+(``training/manifest.py``) and only then moves ``latest`` (atomically). Old tags beyond
+``keep_last`` are deleted after the pointer has moved, by rank 0 in a background thread: no rank
+waits in a collective while hundreds of GB are removed. ``load`` resumes from the newest
+checkpoint whose files all match its manifest, warning about any it skips, and refuses to start
+over when checkpoints exist but none verifies.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 from pathlib import Path
 
 import torch
 
 from model.parallel import comm
+from training import manifest
 from training.files import atomic_write
 
 LATEST = "latest"
@@ -35,7 +40,8 @@ def tag_for_step(step: int) -> str:
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
-    """The newest complete checkpoint tag, or None when there is none."""
+    """The tag ``latest`` names (the offline tools read it), or None when there is none;
+    ValueError when its folder is missing."""
     pointer = Path(ckpt_dir) / LATEST
     if not pointer.is_file():
         return None
@@ -46,24 +52,79 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return tag
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
-    """Save a checkpoint on every rank, then move ``latest`` and prune (rank 0).
+def candidates(ckpt_dir: Path) -> list[str]:
+    """The tags a resume tries, in order: the one ``latest`` names (even when its folder is
+    gone), then every ``step*`` folder, newest first. Empty when there is no checkpoint."""
+    pointer = Path(ckpt_dir) / LATEST
+    latest = pointer.read_text().strip() if pointer.is_file() else ""
+    steps = sorted((p.name for p in Path(ckpt_dir).glob("step*") if p.is_dir()), reverse=True)
+    return ([latest] if latest else []) + [t for t in steps if t != latest]
 
-    Communicates over the default group (one barrier: every rank has written its shards before
-    ``latest`` moves). Pruning runs in the background (``wait_for_pruning`` joins it).
+
+def _verified_tag(engine, ckpt_dir: Path) -> str | None:
+    """The first of ``candidates`` whose files match its manifest (the same tag on every rank),
+    or None when there is no checkpoint. Skipped candidates are one warning line on rank 0;
+    ValueError (one line) when there are candidates but none verifies."""
+    tags = candidates(ckpt_dir)
+    if not tags:
+        return None
+    device = next(engine.module.parameters()).device
+    skipped = []
+    for tag in tags:
+        why = manifest.verify(ckpt_dir / tag, engine.global_rank, engine.world_size, device)
+        if why is None:
+            break
+        skipped.append(f"{tag} {why}")
+    else:
+        raise ValueError(f"no checkpoint in {ckpt_dir} verifies ({', '.join(skipped)}): restore "
+                         f"{tags[0]} from a copy, or move {ckpt_dir} aside to start from step 0 "
+                         f"(a checkpoint saved before manifests existed counts as unverified)")
+    if skipped and engine.global_rank == 0:
+        print(f"warning: skipping checkpoints in {ckpt_dir} that do not verify "
+              f"({', '.join(skipped)}); resuming from {ckpt_dir / tag}", file=sys.stderr, flush=True)
+    return tag
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
+    """Save a checkpoint on every rank, write its manifest, then move ``latest`` and prune
+    (rank 0).
+
+    Communicates over the default group: a barrier once every rank has written its shards,
+    another once every rank has hashed its share of the files. Pruning runs in the background
+    (``wait_for_pruning`` joins it).
     """
-    tag = tag_for_step(step)
+    tag, rank, world = tag_for_step(step), engine.global_rank, engine.world_size
+    folder = Path(ckpt_dir) / tag
+    if rank == 0:                  # an earlier save of this tag (before a fallback resume)
+        (folder / manifest.MANIFEST).unlink(missing_ok=True)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     comm.barrier()
-    if engine.global_rank == 0:
+    manifest.write_share(folder, rank, world)
+    comm.barrier()
+    if rank == 0:
+        layout = {"world_size": world, "dp_world_size": engine.dp_world_size,
+                  "mp_world_size": engine.mp_world_size}
+        manifest.merge(folder, step, layout, world)
         atomic_write(Path(ckpt_dir) / LATEST, tag)
         wait_for_pruning()                      # the previous save's deletions, if still running
-        tags = sorted(p.name for p in Path(ckpt_dir).iterdir() if p.is_dir() and p.name.startswith("step"))
-        old = [Path(ckpt_dir) / t for t in (tags[:-keep_last] if keep_last > 0 else []) if t != tag]
+        old = _prunable(Path(ckpt_dir), tag, keep_last)
         if old:
             _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
             _PRUNER[0].start()
     return tag
+
+
+def _prunable(ckpt_dir: Path, tag: str, keep_last: int) -> list[Path]:
+    """The folders to delete once ``tag`` (its manifest written) is ``latest``: of those up to
+    ``tag``, the ones with a manifest beyond the newest ``keep_last`` and every one without
+    (failed saves). Newer folders, left by a run that resumed from an older checkpoint, stay
+    until this run saves over them. ``keep_last`` 0 keeps everything."""
+    if keep_last <= 0:
+        return []
+    folders = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name <= tag),
+                     reverse=True)
+    complete = [p for p in folders if (p / manifest.MANIFEST).is_file()]      # tag first
+    return complete[keep_last:] + [p for p in folders if p not in complete]
 
 
 _PRUNER: list[threading.Thread | None] = [None]
@@ -133,7 +194,8 @@ def _layout_mismatch(engine, folder: Path) -> str | None:
 
 
 def load(engine, ckpt_dir: Path) -> dict | None:
-    """Load the newest complete checkpoint into ``engine``; return its client state (or None).
+    """Load the newest checkpoint that verifies (``_verified_tag``) into ``engine``; return its
+    client state, or None when there is no checkpoint.
 
     With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON, the universal
     conversion of the newest checkpoint (``launch/to_universal.py``, under
@@ -142,7 +204,7 @@ def load(engine, ckpt_dir: Path) -> dict | None:
     native checkpoint, i.e. one this layout saved after resuming from the conversion, is loaded
     natively, so the same command keeps resuming.
     """
-    tag = latest_tag(ckpt_dir)
+    tag = _verified_tag(engine, Path(ckpt_dir))
     if tag is None:
         return None
     folder, load_dir = Path(ckpt_dir) / tag, Path(ckpt_dir)

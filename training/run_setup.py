@@ -88,8 +88,7 @@ def check_run_dir(run_dir: Path, recipe: Recipe) -> None:
     if blocker is not None:
         raise ValueError(f"--run-dir {run_dir}: {blocker} is a file, not a directory (choose another path)")
     saved = run_dir / "config.json"
-    # latest_tag refuses a pointer to a missing checkpoint now, not after files were written.
-    if checkpoint.latest_tag(run_dir / "checkpoints") is not None and saved.is_file():
+    if checkpoint.candidates(run_dir / "checkpoints") and saved.is_file():
         old = checkpoint.read_run_config(run_dir)["recipe"]["model"]
         if old != recipe.model.to_dict():
             raise ValueError(f"--run-dir {run_dir}: holds checkpoints of a different model; "
@@ -201,9 +200,9 @@ def shutdown() -> None:
 # ----------------------------------------------------------------------------------------------
 # Tokenizer, data, model, engine.
 
-def build_tokenizer(recipe: Recipe, run_dir: Path, init_from: Path | None, ctx: DistContext):
-    """Rank 0 trains (or loads) the tokenizer first and saves it into the run directory; the
-    other ranks then read the cache.
+def build_tokenizer(recipe: Recipe, init_from: Path | None, ctx: DistContext):
+    """Rank 0 trains (or loads) the tokenizer first; the other ranks then read the cache. The
+    trainer saves it into the run directory after the checkpoint load, with config.json.
 
     Returns:
         (tokenizer, corpus splits), the corpus being reused by ``build_data``.
@@ -222,8 +221,6 @@ def build_tokenizer(recipe: Recipe, run_dir: Path, init_from: Path | None, ctx: 
     if len(tokenizer) > recipe.model.vocab_size:
         raise ValueError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the "
                          f"tokenizer ({len(tokenizer)} tokens): raise model.vocab_size")
-    if ctx.rank == 0:
-        tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     return tokenizer, corpus
 
 

@@ -229,10 +229,6 @@ TRAIN_CASES = [
         "run_bad_cfg", lambda r: (r / "config.json").write_text("{not json"))],
      r"--run-dir \S+run_bad_cfg: config\.json is not one launch/train\.py wrote \(.*\); restore it or "
      r"choose another run directory"),
-    ("run_dir_dangling_latest", lambda w: ["--config", w.good, "--run-dir", w.run_copy(
-        "run_dangling", lambda r: (r / "checkpoints" / "latest").write_text("step00000099"))],
-     r"\S+run_dangling/checkpoints/latest: points to missing checkpoint 'step00000099' \(delete the "
-     r"file to start over, or restore the checkpoint folder\)"),
     ("json_not_utf8", lambda w: ["--config", w.text("latin1.json", '{"x": "caf\xe9"}'.encode("latin-1"))],
      r"ds_config \S+latin1\.json: not UTF-8 text \(invalid .* at byte \d+\) \(save the file as UTF-8\)"),
     ("yaml_not_utf8", lambda w: ["--config", w.good, "--recipe", w.text(

@@ -1,5 +1,5 @@
 """The real training entry on 1-2 gloo ranks: ZeRO parity, exact accumulation, kill-and-resume,
-W&B offline, evaluate.py on the result.
+damaged or unverified checkpoints, W&B offline, evaluate.py on the result.
 
 Each launch is a real ``torchrun`` (or plain ``python``) process tree, as a user runs it; a launch
 costs 10-30 s on 2 cores, so each run is made once per module and several tests read it.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import REPO, STEPS, kill_after_step, launch, rows
+from tests.runs import REPO, SMALL, STEPS, kill_after_step, launch, rows
 from tests.runs import env as _env
 from tests.runs import ds_variant as _fp32_config
 
@@ -143,6 +143,76 @@ def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_pat
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
     assert kept == ["step00000006", "step00000009", "step00000010"]      # keep_last 3
+
+
+@pytest.mark.parametrize("damage", ["truncated_file", "manifest_deleted"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, tmp_path, damage):
+    """Checkpoints 3 and 6 (``latest``) of a run killed after step 7 (two steps before the next
+    save, so no half-written step 9 can join in); step 6 damaged; the same command warns once,
+    resumes from step 3 and reproduces the uninterrupted run."""
+    import torch
+
+    from training import manifest
+    run_dir, args = tmp_path / damage, ["train.save_every=3"]
+    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False), run_dir, 7)
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step00000006"
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000003", "step00000006"]
+    newest = ckpt / "step00000006"
+    if damage == "truncated_file":
+        largest = max((p for p in newest.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+        os.truncate(largest, largest.stat().st_size // 2)
+        reason = f"has {largest.name} of the wrong size"
+    else:
+        (newest / "manifest.json").unlink()
+        reason = "has no manifest.json"
+    launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
+    log = (tmp_path / f"{damage}.log").read_text()
+    warnings = [line for line in log.splitlines() if line.startswith("warning: skipping")]
+    assert warnings == [f"warning: skipping checkpoints in {ckpt} that do not verify "
+                        f"(step00000006 {reason}); resuming from {ckpt / 'step00000003'}"], log[-3000:]
+    assert f"resumed from {ckpt / 'step00000003'}" in log
+    resumed, ref = rows(run_dir), rows(zero_runs[3])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))   # rows 4-7 replaced once
+    for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+    kept = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert kept == ["step00000006", "step00000009", "step00000010"]    # keep_last 3; 6 saved again
+    for tag in kept:
+        assert manifest.verify(ckpt / tag, 0, 1, torch.device("cpu")) is None, tag
+        assert not list((ckpt / tag).glob("manifest.rank*")), tag
+
+
+def _listing(root: Path) -> dict:
+    """Every path under ``root`` (and root): kind, size, content, mtime."""
+    return {p.relative_to(root).as_posix(): (p.is_dir(), p.stat().st_size, p.stat().st_mtime_ns,
+                                             p.read_bytes() if p.is_file() else None)
+            for p in [root, *sorted(root.rglob("*"))]}
+
+
+def test_no_verified_checkpoint_stops_with_one_line_and_writes_nothing(tmp_path):
+    """One process: a checkpoint without a manifest (a failed save, or one saved before
+    manifests) and ``latest`` naming a folder that is gone. The trainer must not start over."""
+    from training.recipe import load_recipe
+    run_dir = tmp_path / "unverified"
+    ckpt = run_dir / "checkpoints"
+    (ckpt / "step00000010").mkdir(parents=True)
+    (ckpt / "step00000010" / "mp_rank_00_model_states.pt").write_bytes(b"no manifest")
+    (ckpt / "latest").write_text("step00000099")
+    recipe = load_recipe(None, [*SMALL, f"train.steps={STEPS}"])
+    (run_dir / "config.json").write_text(json.dumps({"recipe": recipe.to_dict(), "ds_config": {}}))
+    (run_dir / "metrics.jsonl").write_text('{"step": 10, "loss": 8.2}\n')
+    before = _listing(run_dir)
+    out = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
+                          "--run-dir", str(run_dir), "--steps", str(STEPS), "--set", *SMALL],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: no checkpoint in {ckpt} verifies (step00000099 is missing, step00000010 has no "
+        f"manifest.json): restore step00000099 from a copy, or move {ckpt} aside to start from "
+        f"step 0 (a checkpoint saved before manifests existed counts as unverified)"], out.stderr
+    assert _listing(run_dir) == before
 
 
 def _signal_after_step(proc, run_dir: Path, step: int) -> float:
