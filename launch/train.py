@@ -120,7 +120,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
                                                  plan.ds, ctx, plan.dp_size)
-    preempted, stepper.preemption = False, preemption.Preemption(tcfg.preemption_signals, rank0)
+    code, preempted, stepper.preemption = 0, False, preemption.Preemption(tcfg.preemption_signals, rank0)
 
     for step in range(start_step + 1, tcfg.steps + 1):
         # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed, step,
@@ -149,22 +149,25 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
             tag = checkpoint.save(engine, ckpt_dir, step, client_state, tcfg.keep_last)
-        if stop:
-            if rank0:
-                print(f"stopping at step {step}: {stop}; the step was skipped and "
-                      f"{ckpt_dir / tag} holds the weights from before it; change the settings "
-                      f"(e.g. a lower lr or --set train.spike_action=skip) and run the command "
-                      f"again to resume", file=sys.stderr, flush=True)
-            break
-        if preempted:
-            if rank0:
-                print(f"preempted at step {step}: {ckpt_dir / tag} saved; run the same command "
-                      f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)
+            if tag is None and (stop or preempted or step == tcfg.steps or tcfg.on_save_error == "stop"):
+                code, stop = checkpoint.SAVE_FAILED, (f"its checkpoint could not be written (exit "
+                                                      f"code {checkpoint.SAVE_FAILED}); free space")
+        if stop and rank0:
+            print(f"stopping at step {step}: {stop}; the step was skipped and {ckpt_dir / tag} "
+                  f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
+                  f"train.spike_action=skip) and run the command again to resume" if tag else
+                  f"stopping at step {step}: {stop} and run the same command to resume from "
+                  f"{checkpoint.latest_tag(ckpt_dir)}", file=sys.stderr, flush=True)
+        if preempted and tag and rank0:
+            print(f"preempted at step {step}: {ckpt_dir / tag} saved; run the same command "
+                  f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)
+        if stop or preempted:
+            code = code or (preemption.EXIT_CODE if preempted else 0)
             break
     checkpoint.wait_for_pruning()
     tracker.close()
     stepper.preemption.close()
-    return preemption.EXIT_CODE if preempted else 0
+    return code
 
 
 def main(argv=None) -> int:

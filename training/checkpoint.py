@@ -22,6 +22,7 @@ import json
 import shutil
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from training import manifest
 from training.files import atomic_write
 
 LATEST = "latest"
+SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
 UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
 LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer in <ckpt>/universal/
 
@@ -85,33 +87,78 @@ def _verified_tag(engine, ckpt_dir: Path) -> str | None:
     return tag
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str:
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str | None:
     """Save a checkpoint on every rank, write its manifest, then move ``latest`` and prune
-    (rank 0).
+    (rank 0). Returns the tag, or None on every rank when any rank could not write its part
+    (a full disk, a permission, an I/O error): that rank prints one line, ``latest`` keeps
+    naming the previous checkpoint, and the partial folder is removed.
 
-    Communicates over the default group: a barrier once every rank has written its shards,
-    another once every rank has hashed its share of the files. Pruning runs in the background
-    (``wait_for_pruning`` joins it).
+    Communicates over the default group: after the shards are written, after the manifest's
+    shares are hashed, and after rank 0 has written the manifest, the ranks agree in one small
+    all-reduce whether all went well (also the barrier each step needs). Pruning runs in the
+    background (``wait_for_pruning`` joins it).
     """
     tag, rank, world = tag_for_step(step), engine.global_rank, engine.world_size
     folder = Path(ckpt_dir) / tag
+    device = next(engine.module.parameters()).device
     if rank == 0:                  # an earlier save of this tag (before a fallback resume)
         (folder / manifest.MANIFEST).unlink(missing_ok=True)
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    comm.barrier()
-    manifest.write_share(folder, rank, world)
-    comm.barrier()
-    if rank == 0:
-        layout = {"world_size": world, "dp_world_size": engine.dp_world_size,
-                  "mp_world_size": engine.mp_world_size}
-        manifest.merge(folder, step, layout, world)
-        atomic_write(Path(ckpt_dir) / LATEST, tag)
-        wait_for_pruning()                      # the previous save's deletions, if still running
-        old = _prunable(Path(ckpt_dir), tag, keep_last)
-        if old:
-            _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
-            _PRUNER[0].start()
+    errors: list[str] = []
+    with _write_errors_caught(engine, errors):
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    stages = (lambda: manifest.write_share(folder, rank, world),
+              lambda: rank == 0 and _publish(engine, ckpt_dir, folder, step, keep_last))
+    for stage in (None, *stages):
+        if stage is not None:
+            try:
+                stage()
+            except OSError as err:
+                errors.append(f"{err.strerror or err}: {err.filename or folder}")
+        failed = torch.tensor([float(bool(errors))], device=device)
+        if comm.job_sum(failed).item() > 0:
+            if errors:
+                print(f"warning: rank {rank} could not write checkpoint {folder} ({errors[0]}); "
+                      f"{LATEST} still names the previous checkpoint", file=sys.stderr, flush=True)
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            return None
     return tag
+
+
+def _publish(engine, ckpt_dir: Path, folder: Path, step: int, keep_last: int) -> None:
+    """Rank 0, once every share is hashed: the manifest, then ``latest``, then pruning."""
+    layout = {"world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
+              "mp_world_size": engine.mp_world_size}
+    manifest.merge(folder, step, layout, engine.world_size)
+    atomic_write(Path(ckpt_dir) / LATEST, folder.name)
+    wait_for_pruning()                          # the previous save's deletions, if still running
+    old = _prunable(Path(ckpt_dir), folder.name, keep_last)
+    if old:
+        _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
+        _PRUNER[0].start()
+
+
+@contextmanager
+def _write_errors_caught(engine, errors: list[str]):
+    """DeepSpeed's file writes with OSError recorded in ``errors`` instead of raised, so that
+    a rank whose disk is full still reaches DeepSpeed's own barriers (a raise would leave the
+    other ranks waiting there); after the first error the rank writes nothing more."""
+    write = engine.checkpoint_engine.save
+
+    def guarded(state_dict, path):
+        if errors:
+            return None
+        try:
+            return write(state_dict=state_dict, path=path)
+        except OSError as err:
+            errors.append(f"{err.strerror or err}: {path}")
+            return None
+
+    engine.checkpoint_engine.save = guarded
+    try:
+        yield errors
+    finally:
+        del engine.checkpoint_engine.save
 
 
 def _prunable(ckpt_dir: Path, tag: str, keep_last: int) -> list[Path]:

@@ -125,6 +125,8 @@ class TrainConfig:
     """A step's loss above spike_factor x the running mean of the last spike_window steps spikes."""
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
+    on_save_error: Literal["continue", "stop"] = "continue"
+    """A checkpoint a rank could not write (disk full): keep training, or stop with exit code 74."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
 

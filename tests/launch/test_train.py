@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -181,6 +182,75 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, tmp_
     for tag in kept:
         assert manifest.verify(ckpt / tag, 0, 1, torch.device("cpu")) is None, tag
         assert not list((ckpt / tag).glob("manifest.rank*")), tag
+
+
+FAULT_RUN = "tests/training/_save_fault_run.py"
+
+
+def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, tmp_path):
+    """Both ranks cut their files of checkpoint 6 to half and stop there; SIGKILL. The same
+    command skips the half-written checkpoint (no manifest) and resumes from step 3."""
+    import time
+    run_dir, args = tmp_path / "mid-save", ["train.save_every=3"]
+    mark = tmp_path / "holding"
+    proc = launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False, script=FAULT_RUN,
+                  extra_env={"FAULT": "hold", "FAULT_TAG": "step00000006", "FAULT_MARK": str(mark)})
+    deadline = time.time() + 300
+    while not list(tmp_path.glob("holding.*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None and list(tmp_path.glob("holding.*")), "the save was not reached"
+    os.killpg(proc.pid, signal.SIGKILL)
+    subprocess.run(["pkill", "-KILL", "-f", str(run_dir)], check=False)
+    proc.wait()
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step00000003"
+    assert not (ckpt / "step00000006" / "manifest.json").exists()
+    launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)      # the same command, no fault
+    log = (tmp_path / "mid-save.log").read_text()
+    assert f"resumed from {ckpt / 'step00000003'}" in log
+    resumed, ref = rows(run_dir), rows(zero_runs[3])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_path, policy):
+    """Rank 1's files of checkpoint 6 fail with ENOSPC. One warning line from that rank; the
+    partial folder is removed and ``latest`` keeps step 3. ``continue``: training goes on (the
+    same losses, later checkpoints saved); ``stop``: exit code 74 at step 6, and the same
+    command without the fault resumes from step 3 and matches the uninterrupted run."""
+    import torch
+
+    from training import manifest
+    run_dir = tmp_path / policy
+    args = ["train.save_every=3", f"train.on_save_error={policy}"]
+    proc = launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, script=FAULT_RUN, check=False,
+                  extra_env={"FAULT": "enospc", "FAULT_TAG": "step00000006", "FAULT_RANK": "1"})
+    log = (tmp_path / f"{policy}.log").read_text()
+    ckpt = run_dir / "checkpoints"
+    warnings = [line for line in log.splitlines() if "could not write checkpoint" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: rank 1 could not write checkpoint {ckpt / 'step00000006'} (No space left on "
+        f"device: "), log[-3000:]
+    assert warnings[0].endswith("latest still names the previous checkpoint")
+    assert not (ckpt / "step00000006").exists()
+    if policy == "continue":
+        assert proc.returncode == 0, log[-3000:]
+        assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000003", "step00000009",
+                                                              "step00000010"]
+    else:
+        assert proc.returncode != 0 and "(exit code 74)" in log, log[-3000:]
+        assert (f"stopping at step 6: its checkpoint could not be written (exit code 74); free "
+                f"space and run the same command to resume from step00000003") in log
+        assert (ckpt / "latest").read_text().strip() == "step00000003"
+        launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)  # the disk has room again
+    for tag in (p.name for p in ckpt.glob("step*")):
+        assert manifest.verify(ckpt / tag, 0, 1, torch.device("cpu")) is None, tag
+    resumed, ref = rows(run_dir), rows(zero_runs[3])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
 
 
 def _listing(root: Path) -> dict:
