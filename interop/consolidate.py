@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import LATEST, latest_tag, read_run_config
+from training import torch_load
 
 
 def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str, torch.Tensor]:
@@ -67,7 +68,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         for r in range(mp):
             shards[r] = {}
             for f in sorted((Path(ckpt_dir) / tag).glob(f"layer_*-model_{r:02d}-model_states.pt")):
-                shards[r].update(torch.load(f, map_location="cpu", weights_only=False))
+                shards[r].update(torch_load.load(f))
         if mp > 1:
             return merge_model_parallel(cfg, world, shards)
         return {k: v.float() for k, v in shards[0].items()}
@@ -75,8 +76,8 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         if zero_stage == 3:
             shards = {r: zero3_fp32_shard(Path(ckpt_dir) / tag, r) for r in range(mp)}
         else:
-            shards = {r: torch.load(Path(ckpt_dir) / tag / f"mp_rank_{r:02d}_model_states.pt",
-                                    map_location="cpu", weights_only=False)["module"]
+            shards = {r: torch_load.load(Path(ckpt_dir) / tag /
+                                         f"mp_rank_{r:02d}_model_states.pt")["module"]
                       for r in range(mp)}
         return merge_model_parallel(cfg, world, shards)
     if zero_stage > 0:
@@ -84,8 +85,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         with redirect_stdout(sys.stderr):
             sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
-        states = torch.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt",
-                            map_location="cpu", weights_only=False)
+        states = torch_load.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt")
         sd = states["module"]
     return {k: v.float() for k, v in sd.items()}
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from model.parallel import comm
-from training import manifest
+from training import manifest, torch_load
 from training.files import atomic_write
 
 LATEST = "latest"
@@ -209,7 +209,9 @@ def read_states(path: Path) -> dict:
     """A DeepSpeed ``*_model_states.pt`` memory-mapped (tensors are read only when touched);
     ValueError (one line) when it cannot be read."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return torch_load.load(path, mmap=True)
+    except ValueError:                      # a pickled object that is not plain data
+        raise
     except Exception as e:  # torch raises many types on a corrupted file
         first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"checkpoint {Path(path).parent} cannot be read ({type(e).__name__}: "
@@ -281,6 +283,7 @@ def load(engine, ckpt_dir: Path) -> dict | None:
         # deepspeed.utils.groups, which only AutoTP sets ("intra_layer_model parallel group is
         # not initialized"); ours is the tp x ep group DeepSpeed got as ``mpu``.
         ds_groups._TENSOR_MODEL_PARALLEL_GROUP = engine.mpu.get_model_parallel_group()
+    torch_load.install(engine)                  # DeepSpeed's own reads: weights only
     try:
         path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
     finally:
@@ -300,8 +303,7 @@ def _universal_mismatch(engine, folder: Path) -> str | None:
     if stage == 0:        # DeepSpeed restores universal weights through the ZeRO optimizer only
         return ("ZeRO-0 cannot load a universal checkpoint (nothing would be restored): set "
                 "zero_optimization.stage to 1-3")
-    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu",
-                       weights_only=False, mmap=True).get("zero_stage")
+    saved = torch_load.load(folder / "zero" / "optimizer_state.pt", mmap=True).get("zero_stage")
     if saved is not None and (int(saved) == 3) != (stage == 3):
         return (f"converted from a ZeRO-{int(saved)} checkpoint, this run uses ZeRO-{stage}; "
                 f"DeepSpeed loads a ZeRO-3 conversion only into ZeRO-3 and a ZeRO 1-2 one only "
@@ -324,8 +326,8 @@ def _fix_zero3_universal_load(engine, folder: Path) -> None:
         state = opt.optimizer.state.get(fp32, {})
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
-    saved = torch.load(folder / "zero" / "optimizer_state.pt", map_location="cpu",
-                       weights_only=False, mmap=True)["optimizer_state_dict"]["param_groups"]
+    saved = torch_load.load(folder / "zero" / "optimizer_state.pt",
+                            mmap=True)["optimizer_state_dict"]["param_groups"]
     live = opt.optimizer.param_groups
     if len(saved) != len(live):
         raise ValueError(f"universal checkpoint {folder} has {len(saved)} optimizer parameter "
