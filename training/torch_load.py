@@ -34,8 +34,10 @@ def load(path: str | Path, map_location="cpu", mmap: bool = False):
         with torch.serialization.safe_globals(_deepspeed_classes()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
-        found = re.search(r"GLOBAL (\S+)", str(err))
-        what = found.group(1) if found else str(err).strip().splitlines()[0]
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        if found is None:                 # a damaged file, not a refused object
+            raise
+        what = found.group(1)
         raise ValueError(f"{path}: refusing to load it: it holds a pickled object that is not "
                          f"plain data ({what}), which could run code; load it only if you trust "
                          f"its source (torch.load(..., weights_only=False))") from None
