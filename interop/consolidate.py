@@ -24,7 +24,9 @@ def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str,
 
     Every parameter records how it was cut from its full tensor (``shard_spec``, see
     model/parallel/layers.py); building the model at each (tp_rank, ep_rank) without process
-    groups recovers those cuts, and each shard is written back into place.
+    groups recovers those cuts, and each shard is written back into place. Persistent buffers
+    (the routers' ``e_score_correction_bias``) are the same on every rank: model-parallel rank
+    0's copy is taken.
     """
     from model import Transformer
     from model.parallel.groups import ParallelGroups
@@ -44,6 +46,9 @@ def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str,
                 for dim, idx in p.shard_spec:
                     index[dim] = index[dim][torch.as_tensor(idx)]
                 out[torch.meshgrid(*index, indexing="ij")] = shard[name].float()
+            for name, _ in model.named_buffers():     # persistent ones (expert biases): replicated
+                if name in shard and name not in full:
+                    full[name] = shard[name].float()
     return full
 
 

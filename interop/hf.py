@@ -94,6 +94,15 @@ def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> 
         (moe.router_jitter != 0, f"model.moe.router_jitter ({moe.router_jitter}) != 0 but HF "
          "Mixtral's router_jitter_noise also scales the experts' inputs, not only the router's; "
          "fix: train with router_jitter 0"),
+        (moe.expert_bias, f"model.moe.score_function ({moe.score_function}) / "
+         f"expert_bias_update_rate ({moe.expert_bias_update_rate}): HF Mixtral routes by softmax "
+         "with no expert bias; fix: train with score_function softmax and rate 0"),
+        (moe.routed_scaling_factor != 1.0, f"model.moe.routed_scaling_factor "
+         f"({moe.routed_scaling_factor}) != 1 but HF Mixtral does not scale the combine weights"),
+        (moe.n_group > 1, f"model.moe.n_group ({moe.n_group}) > 1 but HF Mixtral has no "
+         "group-limited routing; fix: train with n_group 1"),
+        (moe.num_shared_experts > 0, f"model.moe.num_shared_experts ({moe.num_shared_experts}) "
+         "> 0 but HF Mixtral has no shared experts; fix: train with num_shared_experts 0"),
     ]
     for bad, message in unsupported:
         if bad:

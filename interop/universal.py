@@ -24,7 +24,11 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
     """The newest checkpoint's folder and tag, and whether ds_to_universal must inject the
     (empty) universal_checkpoint_info; ValueError (one line) if it cannot be converted."""
     ckpt_dir = run_dir / "checkpoints"
-    checkpoint.read_run_config(run_dir)
+    moe = checkpoint.read_run_config(run_dir)["recipe"]["model"].get("moe") or {}
+    if moe.get("score_function") == "sigmoid" or moe.get("expert_bias_update_rate", 0) > 0:
+        raise ValueError(f"--run-dir {run_dir}: the universal format keeps parameters only, and "
+                         f"the routers' e_score_correction_bias (a buffer) would restart at zero: "
+                         f"resume this run at its layout")
     tag = checkpoint.latest_tag(ckpt_dir)
     if tag is None:
         raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "

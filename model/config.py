@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 FAMILIES = ("dense", "switch", "mixtral")
 
@@ -37,6 +37,34 @@ class MoEConfig:
     """Weight of the router z-loss (ST-MoE c_z = 1e-3)."""
     moe_layer_freq: int = 1
     """Every moe_layer_freq-th block has an MoE FFN (blocks freq-1, 2*freq-1, ...); the rest are MLPs."""
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over the experts (Switch, Mixtral) or one sigmoid per expert (DeepSeek-V3)."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the combine weights, applied after any renormalization (DeepSeek-V3: 2.5)."""
+    n_group: int = 1
+    """Equal groups the experts are split into for group-limited routing; 1 = no groups."""
+    topk_group: int = 1
+    """Groups each token may use, the best by the sum of each group's top-2 scores (with n_group > 1)."""
+    expert_bias_update_rate: float = 0.0
+    """Loss-free balancing: after each step bias_i += rate * sign(mean load - load_i); 0 = off."""
+    num_shared_experts: int = 0
+    """Always-on SwiGLU experts beside the routed ones, run as one FFN (DeepSeek, Qwen2-MoE); 0 = none."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Inner size of that shared FFN; null = num_shared_experts x model.ffn_hidden_size."""
+    shared_expert_gate: bool = False
+    """Scale the shared FFN's output per token by sigmoid(x @ w_gate) (Qwen2-MoE)."""
+
+    @property
+    def expert_bias(self) -> bool:
+        """Whether each router holds ``e_score_correction_bias``: with sigmoid scores (DeepSeek-V3
+        keeps one, also frozen) or with loss-free balancing on."""
+        return self.score_function == "sigmoid" or self.expert_bias_update_rate > 0
+
+    def shared_ffn_size(self, ffn_hidden_size: int) -> int:
+        """Inner size of the shared FFN (0 without shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        return self.shared_expert_ffn_hidden_size or self.num_shared_experts * ffn_hidden_size
 
     def capacity(self, num_tokens: int, training: bool) -> int | None:
         """Slots per expert for ``num_tokens`` routed tokens, or None when dropless."""
@@ -61,6 +89,44 @@ class MoEConfig:
         for name in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{prefix}.{name} ({getattr(self, name)}) must be >= 0")
+        self._validate_routing(prefix)
+        self._validate_shared(prefix)
+
+    def _validate_routing(self, prefix: str) -> None:
+        if self.score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"{prefix}.score_function ({self.score_function!r}) must be softmax or sigmoid")
+        if not 0 < self.routed_scaling_factor < math.inf:
+            raise ValueError(f"{prefix}.routed_scaling_factor ({self.routed_scaling_factor}) must be "
+                             f"a finite number > 0 (1.0 leaves the combine weights as they are)")
+        if not 0 <= self.expert_bias_update_rate < math.inf:
+            raise ValueError(f"{prefix}.expert_bias_update_rate ({self.expert_bias_update_rate}) must "
+                             f"be a finite number >= 0 (0 turns loss-free balancing off)")
+        for name in ("n_group", "topk_group"):
+            check_int(f"{prefix}.{name}", getattr(self, name))
+        e, groups, kept = self.num_experts, self.n_group, self.topk_group
+        if e % groups:
+            raise ValueError(f"{prefix}.num_experts ({e}) is not divisible by {prefix}.n_group "
+                             f"({groups}): choose n_group dividing num_experts")
+        if groups > 1 and e // groups < 2:
+            raise ValueError(f"{prefix}.n_group ({groups}) leaves {e // groups} expert per group; a "
+                             f"group is scored by its top-2 experts: choose n_group <= num_experts/2")
+        if kept > groups:
+            raise ValueError(f"{prefix}.topk_group ({kept}) exceeds {prefix}.n_group ({groups}): "
+                             f"choose topk_group <= n_group")
+        if self.top_k > kept * (e // groups):
+            raise ValueError(f"{prefix}.top_k ({self.top_k}) exceeds the {kept * (e // groups)} experts "
+                             f"of the topk_group ({kept}) kept groups: raise topk_group or lower top_k")
+
+    def _validate_shared(self, prefix: str) -> None:
+        check_int(f"{prefix}.num_shared_experts", self.num_shared_experts, low=0)
+        check_int(f"{prefix}.shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size,
+                  optional=True)
+        if not self.num_shared_experts:
+            for name in ("shared_expert_ffn_hidden_size", "shared_expert_gate"):
+                if getattr(self, name):
+                    raise ValueError(f"{prefix}.{name} ({getattr(self, name)}) is set but "
+                                     f"{prefix}.num_shared_experts is 0: set num_shared_experts "
+                                     f">= 1 or remove {name}")
 
 
 def _switch_moe() -> MoEConfig:
@@ -143,6 +209,14 @@ class TransformerConfig:
             self.moe.validate()
         return self
 
+    @property
+    def shared_params(self) -> int:
+        """Parameters of one MoE layer's shared FFN and its gate (active for every token)."""
+        if self.moe is None or not self.moe.num_shared_experts:
+            return 0
+        return 3 * self.hidden_size * self.moe.shared_ffn_size(self.ffn_hidden_size) + (
+            self.hidden_size if self.moe.shared_expert_gate else 0)
+
     def num_params(self, active: bool = False) -> int:
         """Parameter count; ``active=True`` counts only the experts a token is routed to."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
@@ -152,7 +226,7 @@ class TransformerConfig:
         for i in range(L):
             if self.is_moe_layer(i):
                 experts = self.moe.top_k if active else self.moe.num_experts
-                total += attn + experts * mlp + h * self.moe.num_experts
+                total += attn + experts * mlp + h * self.moe.num_experts + self.shared_params
             else:
                 total += attn + mlp
         return total

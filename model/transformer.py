@@ -284,9 +284,22 @@ class Transformer(nn.Module):
         init_weights(self, self.cfg, seed, write)
 
     def reset_buffers(self) -> None:
-        """Recompute the derived fp32 buffers (RoPE frequencies) after a build that created
-        them in another dtype."""
+        """Recompute the derived fp32 buffers (RoPE frequencies) and put the expert biases back
+        in fp32 after a build that created them in another dtype."""
         self.rotary.reset()
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.gate.reset_bias_dtype()
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """Loss-free balancing after an optimizer step (``TopKRouter.update_bias``): ``counts``
+        (L_moe, E), the step's routed assignments per MoE layer (in layer order) and expert,
+        summed over every micro-batch and every rank that sees different tokens. A no-op when
+        ``model.moe.expert_bias_update_rate`` is 0."""
+        moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
+        for mlp, layer_counts in zip(moe_layers, counts.unbind(0), strict=True):
+            mlp.gate.update_bias(layer_counts)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),

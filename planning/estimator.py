@@ -151,7 +151,9 @@ def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
     total = 0.0
     for i in range(cfg.num_layers):
         moe = cfg.is_moe_layer(i)
-        ffn = (cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts) if moe else 3 * h * f
+        ffn = 3 * h * f
+        if moe:
+            ffn = cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts + cfg.shared_params
         if i in whole:
             total += 2 * (attn + ffn) + 2 * h * seq_len
         elif policy.name == "attention":

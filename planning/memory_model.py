@@ -146,11 +146,11 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
     """Parameters one rank of pipeline stage ``stage`` holds before ZeRO partitioning.
 
     TP shards query heads, kv heads (each rank keeps all kv heads when there are fewer than tp),
-    MLP and expert inner sizes, and the vocabulary; norms and the router are replicated. EP splits
-    the experts. Stage 0 holds the embedding; the last stage the final norm and the output head
-    (a tied head is a second copy there when pp > 1). ``largest_module`` is the biggest set of
-    parameters one module owns directly (what ZeRO-3 must gather at once).
-    """
+    MLP, expert and shared-expert inner sizes, and the vocabulary; norms, the router and the
+    shared experts' gate are replicated. EP splits the routed experts. Stage 0 holds the
+    embedding; the last stage the final norm and the output head (a tied head is a second copy
+    there when pp > 1). ``largest_module``: the most parameters one module owns directly (what
+    ZeRO-3 gathers at once)."""
     h, hd, f, tp = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, layout.tp
     kv_local = cfg.num_kv_heads // tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
     q = h * (cfg.num_heads // tp) * hd
@@ -162,9 +162,10 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
         other += attn
         if cfg.is_moe_layer(i):
             experts = cfg.moe.num_experts // layout.ep * 3 * h * (f // tp)
+            shared = h * (cfg.moe.shared_ffn_size(f) // tp)            # one shared projection
             expert += experts
-            other += cfg.moe.num_experts * h
-            largest = max(largest, experts)
+            other += cfg.moe.num_experts * h + 3 * shared + (h if cfg.moe.shared_expert_gate else 0)
+            largest = max(largest, experts, shared)
         else:
             other += 3 * h * (f // tp)
             largest = max(largest, h * (f // tp))
@@ -220,7 +221,8 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
       z-loss logsumexp (4); per routed row (``routed_rows``): ``dispatch`` = token and slot
       indices (16) and the permuted row (a h); ``experts`` = gate, silu, up, product (4 a F/tp);
       ``combine`` = expert output (a h), combine weight (a), weighted output kept by
-      ``index_add_`` (a h).
+      ``index_add_`` (a h); ``shared`` (shared experts) = as ``mlp`` (4 a F_s/tp), their input
+      unless an fp32 router already keeps it (a h), with a gate its output and value (a h + a).
     TP shards heads and inner sizes; sequence parallelism splits the norms (``norm_bytes``) but
     not the router or the dispatched rows: every tp rank routes the gathered tokens.
     """
@@ -241,6 +243,10 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     out["dispatch"] = rows * (2 * INT64 + a * h)
     out["experts"] = rows * 4 * a * f / tp
     out["combine"] = rows * (2 * a * h + a)
+    fs = moe.shared_ffn_size(f)
+    if fs:
+        out["shared"] = tokens * (4 * a * fs / tp + (a * h if a != FP32 else 0)
+                                  + ((a * h + a) if moe.shared_expert_gate else 0))
     return out
 
 
@@ -287,7 +293,7 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
         elif policy.name == "attention":
             redo = blk["norm1"] + blk["attention"]
         elif policy.name == "moe" and "router" in blk:
-            redo = blk["norm2"] + blk["router"] + blk["dispatch"] + blk["experts"] + blk["combine"]
+            redo = full - blk["norm1"] - blk["attention"]       # norm2, router ... combine, shared
         elif policy.name == "experts" and "router" in blk:
             redo = blk["experts"]
         else:

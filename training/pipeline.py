@@ -29,7 +29,9 @@ Under fp32 ZeRO-0, gradients are clipped with the trainer's norm (``clip_fp32_wi
 
 Statistics: the loss and every MoE layer stash detached per-micro-batch values on this rank;
 ``TransformerPipe.add_step_stats`` fills the trainer's statistics vector, which the trainer sums
-over the batch group and the pipeline group (each value lives on exactly one stage).
+over the batch group and the pipeline group (each value lives on exactly one stage). With
+loss-free balancing every stage then holds every layer's routed counts of the step and updates
+its own layers' expert biases from them (``TransformerPipe.update_expert_bias``).
 
 Pipeline x tensor/expert parallelism (3D layouts): every stage is built with this rank's
 ``ParallelGroups``, so its layers shard and communicate over tp and ep exactly as in the
@@ -266,6 +268,15 @@ class TransformerPipe(PipelineModule):
                 stats[7 + j * experts:7 + (j + 1) * experts] += counts.double()
                 stats[7 + layers * experts + j] += entropy.double() / gas
                 stats[7 + layers * (experts + 1) + j] += dropped.double() / gas
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """Loss-free balancing on this stage: each of its MoE blocks updates its router's bias
+        from its row of ``counts`` (L_moe, E), the step's counts of every MoE layer summed over
+        the batch group and the stages (``Transformer.update_expert_bias``)."""
+        for block in self._blocks():
+            if block.block.is_moe:
+                block.block.mlp.gate.update_bias(counts[block.moe_index])
 
     def eval_sums(self) -> torch.Tensor:
         """``[ce_sum, target_tokens]`` of the stashed micro-batches (zeros off the last stage)."""

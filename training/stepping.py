@@ -180,7 +180,8 @@ class Stepper:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
                 self._check_router_replicas(step, stats)
-                values = self._to_host(comm.all_reduce_sum(stats, self.ctx.batch_group))
+                self._reduced = comm.all_reduce_sum(stats, self.ctx.batch_group)
+                values = self._to_host(self._reduced)
                 step_loss = values[0] / max(values[1], 1)
                 skip_reason = self._skip_reason(step_loss, values[2] > 0)
             where.phase = "backward"
@@ -211,7 +212,21 @@ class Stepper:
                 group["lr"] = lr
         if skip_reason is None:
             self.spikes.record(step_loss)
+        if applied:
+            self._update_expert_bias()
         return self._row(step, values, step_loss, applied, skip_reason, time.time() - t0)
+
+    def _update_expert_bias(self) -> None:
+        """Loss-free balancing after an applied step: the routed counts of the step, summed over
+        the micro-batches and the batch group (and the stages) in ``_reduced``, the same on every
+        rank, update each rank's copy of its layers' biases alike: device ops, no host copy, no
+        collective (``Transformer.update_expert_bias``; a pipeline stage updates its own)."""
+        moe = self.cfg.moe
+        if moe is None or moe.expert_bias_update_rate == 0:
+            return
+        layers, experts = len(self.moe_blocks), moe.num_experts
+        counts = self._reduced[_SCALARS:_SCALARS + layers * experts]     # (L x E,) float64
+        self.model.update_expert_bias(counts.view(layers, experts))
 
     def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
         """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
@@ -230,7 +245,8 @@ class Stepper:
         self.model.add_step_stats(stats, gas)        # device-side adds (training/pipeline.py)
         self._check_router_replicas(self.where.step, stats)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
-        values = self._to_host(comm.all_reduce_sum(stats, self.ctx.groups.pp_group))
+        self._reduced = comm.all_reduce_sum(stats, self.ctx.groups.pp_group)
+        values = self._to_host(self._reduced)
         step_loss = values[0] / max(values[1], 1)
         skip_reason = self._skip_reason(step_loss, values[2] > 0)
         saved_lr = self._prepare_last_step(skip_reason)

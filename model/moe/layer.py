@@ -18,6 +18,7 @@ from model.config import MoEConfig
 from model.moe import dispatcher, losses
 from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter
+from model.moe.shared import SharedExpertGate, SharedExperts
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups, local_experts
 from model.parallel.layers import enter_tp_region, leave_tp_region
@@ -62,10 +63,12 @@ class _Splits:
 
 
 class MoELayer(nn.Module):
-    """Mixture-of-experts SwiGLU FFN (Switch or Mixtral semantics, chosen by ``moe``).
+    """Mixture-of-experts SwiGLU FFN (Switch, Mixtral or DeepSeek-V3 routing, chosen by ``moe``),
+    with optional shared experts added to the routed output.
 
     Args:
-        moe: routing settings (experts, top-k, capacity, jitter, renormalization).
+        moe: routing settings (experts, top-k, scores, groups, bias, capacity, jitter,
+            renormalization, scaling, shared experts).
         hidden_size: H.
         ffn_hidden_size: I, inner size of each expert.
         groups: process groups; experts are split over ep and their inner size over tp.
@@ -75,9 +78,13 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe = moe
         self.groups = groups or ParallelGroups()
-        self.gate = TopKRouter(hidden_size, moe.num_experts, moe.top_k, moe.normalize_top_k,
-                               moe.router_jitter, groups)
+        self.gate = TopKRouter(hidden_size, moe, groups)
         self.experts = GroupedExperts(moe.num_experts, hidden_size, ffn_hidden_size, groups)
+        shared = moe.shared_ffn_size(ffn_hidden_size)
+        # Shared experts (always on) and their optional per-token gate: see ``shared.py``.
+        self.shared_experts = SharedExperts(hidden_size, shared, groups) if shared else None
+        self.shared_expert_gate = (SharedExpertGate(hidden_size, groups)
+                                   if shared and moe.shared_expert_gate else None)
         # Experts in rank order: rank 0's local experts, then rank 1's, ... Sorting the rows by
         # this order makes each destination rank's rows one contiguous block.
         ep = self.groups.ep
@@ -127,6 +134,11 @@ class MoELayer(nn.Module):
             y = self._experts(rows, plan.tokens_per_expert)                 # (k*T, H) partial
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
+        if self.shared_experts is not None:                                 # summed over tp with out
+            shared = self.shared_experts(x)                                 # (T, H) partial over tp
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(router_in)       # (T, 1) gate
+            out = out + shared
         out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
 
         routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id

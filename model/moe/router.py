@@ -1,9 +1,12 @@
-"""Top-k router: fp32 softmax over all experts, top-k, optional renormalization, jitter.
+"""Top-k router: fp32 scores (softmax or sigmoid), optional group limit and bias, top-k,
+optional renormalization and scaling, jitter.
 
-Both MoE families use this one function; their differences are config values:
+All MoE families use this one function; their differences are config values:
 
-    Switch : softmax(all E) -> top-1 -> combine weight = that probability (no renormalization)
-    Mixtral: softmax(all E) -> top-2 -> renormalize the two probabilities to sum to 1
+    Switch     : softmax(all E) -> top-1 -> combine weight = that probability (no renormalization)
+    Mixtral    : softmax(all E) -> top-2 -> renormalize the two probabilities to sum to 1
+    DeepSeek-V3: sigmoid per expert -> + bias (choice only) -> best topk_group of n_group groups
+                 -> top-k within them -> renormalize the k unbiased scores -> x routed_scaling_factor
 
 The router runs in fp32 whatever the model dtype ("selective precision", Switch Transformer
 section 2.4): a bf16 softmax over experts is what made the paper's bf16 runs diverge.
@@ -17,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.config import MoEConfig
 from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import replicated
@@ -29,22 +33,32 @@ class Routing:
     """One routing decision for T tokens over E experts, k choices each."""
 
     logits: torch.Tensor        # (T, E) fp32 router logits
-    probs: torch.Tensor         # (T, E) fp32 softmax over all experts
+    probs: torch.Tensor         # (T, E) fp32 scores normalized over the experts (softmax: itself)
     expert_idx: torch.Tensor    # (T, k) int64 chosen experts, best first
     weights: torch.Tensor       # (T, k) fp32 combine weights
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool,
-          noise: torch.Tensor | None = None) -> Routing:
+          noise: torch.Tensor | None = None, score_function: str = "softmax",
+          bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+          scaling: float = 1.0) -> Routing:
     """Route tokens to experts.
 
     Args:
         x: (T, H) token activations, any dtype.
         gate_weight: (E, H) router weight.
         top_k: experts per token.
-        normalize: renormalize the top-k probabilities to sum to 1 (Mixtral) or keep them (Switch).
+        normalize: renormalize the top-k scores to sum to 1 (Mixtral) or keep them (Switch).
         noise: (T, H) multiplicative jitter for the router input (``jitter_noise``), or None.
             Only the router sees it; the experts get the clean activations.
+        score_function: "softmax" over the experts, or one "sigmoid" per expert. ``probs`` is
+            then the sigmoid scores divided by their sum (for the balance loss and the entropy).
+        bias: (E,) fp32 added to the scores to CHOOSE the experts (loss-free balancing); the
+            combine weights are the unbiased scores. None: no bias.
+        n_group, topk_group: group-limited routing: the E experts form n_group equal groups,
+            each scored by the sum of its two best (biased) scores; the top-k is taken within
+            the topk_group best groups.
+        scaling: factor on the combine weights, after the renormalization.
 
     Returns:
         The routing decision, all router math in fp32.
@@ -53,11 +67,36 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
     if noise is not None:
         x32 = x32 * noise
     logits = F.linear(x32, gate_weight.float())                  # (T, E) fp32
-    probs = torch.softmax(logits, dim=-1)                        # (T, E)
-    weights, expert_idx = torch.topk(probs, top_k, dim=-1)       # (T, k), (T, k)
+    if score_function == "softmax":
+        scores = probs = torch.softmax(logits, dim=-1)           # (T, E)
+    else:
+        scores = torch.sigmoid(logits)                           # (T, E)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    if bias is None and n_group == 1:
+        weights, expert_idx = torch.topk(scores, top_k, dim=-1)  # (T, k), (T, k)
+    else:
+        choice = scores.detach() if bias is None else scores.detach() + bias.float()
+        if n_group > 1:
+            choice = _limit_to_groups(choice, n_group, topk_group)
+        expert_idx = torch.topk(choice, top_k, dim=-1).indices   # (T, k) best first
+        weights = scores.gather(1, expert_idx)                   # (T, k) unbiased
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if scaling != 1.0:
+        weights = weights * scaling
     return Routing(logits=logits, probs=probs, expert_idx=expert_idx, weights=weights)
+
+
+def _limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """(T, E) choice scores with -inf outside each token's ``topk_group`` best groups of the
+    ``n_group`` equal, contiguous groups; a group's score is the sum of its two best scores
+    (DeepSeek-V3)."""
+    T, E = choice.shape
+    grouped = choice.view(T, n_group, E // n_group)                        # (T, G, E/G)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)              # (T, G)
+    kept = group_scores.topk(topk_group, dim=-1).indices                   # (T, topk_group)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
 
 
 def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first_sample: int = 0,
@@ -110,7 +149,7 @@ def _mix(base: int, index: int) -> int:
 
 
 class TopKRouter(nn.Module):
-    """The router's (E, H) weight and ``route`` as one module.
+    """The router's (E, H) weight, its optional expert bias, and ``route`` as one module.
 
     The weight is only read inside this module's ``forward``, and ``forward`` returns plain
     tensors: ZeRO-3 gathers a partitioned parameter around its module's forward and, for the
@@ -118,24 +157,45 @@ class TopKRouter(nn.Module):
     In training with ``jitter > 0`` the input is scaled by ``jitter_noise`` (see there for how
     the noise stays the same on every tp rank and under recomputation).
 
+    With ``moe.expert_bias`` the router holds ``e_score_correction_bias`` (E,), a persistent fp32
+    buffer, zeros at init, replicated on every rank: it shifts the scores that choose the
+    experts, never the combine weights, and changes only through ``update_bias`` (loss-free
+    balancing), outside autograd, identically on every rank.
+
     Args:
         hidden_size: H.
-        num_experts: E.
-        top_k: experts per token.
-        normalize: renormalize the top-k probabilities (Mixtral) or not (Switch).
-        jitter: multiplicative router-input noise in training.
+        moe: the layer's MoE settings (experts, top-k, scores, groups, bias, jitter).
         groups: process groups (the weight is replicated over tp and ep).
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool,
-                 jitter: float = 0.0, groups=None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, groups=None):
         super().__init__()
         self.groups = groups or ParallelGroups()
         # Replicated over tp x ep; the tp ranks route the same tokens (``MoELayer`` counts the
         # router's gradient once over tp), the ep ranks different ones.
-        self.weight = sum_grad_over(replicated(nn.Parameter(torch.empty(num_experts, hidden_size)),
+        self.weight = sum_grad_over(replicated(nn.Parameter(torch.empty(moe.num_experts, hidden_size)),
                                                groups), groups, "ep")
-        self.top_k, self.normalize, self.jitter = top_k, normalize, jitter
+        self.moe, self.top_k, self.jitter = moe, moe.top_k, moe.router_jitter
+        bias = torch.zeros(moe.num_experts, dtype=torch.float32) if moe.expert_bias else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def reset_bias_dtype(self) -> None:
+        """Back to fp32 after a build that created every floating tensor in the training dtype
+        (DeepSpeed's ``zero.Init``); the bias is zeros then, so nothing is lost."""
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """Loss-free balancing (DeepSeek-V3): ``bias_i += rate * sign(mean load - load_i)``, from
+        ``counts`` (E,), the step's routed assignments per expert over the whole global batch
+        (the same on every rank, so every replica applies the same update)."""
+        rate = self.moe.expert_bias_update_rate
+        if rate == 0 or self.e_score_correction_bias is None:
+            return
+        load = counts.to(torch.float64)
+        step = torch.sign(load.mean() - load).to(torch.float32)           # (E,) in {-1, 0, 1}
+        self.e_score_correction_bias.add_(step, alpha=rate)
 
     def forward(self, x: torch.Tensor, first_sample: int = 0, num_samples: int = 1):
         """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32). ``x`` holds
@@ -144,5 +204,8 @@ class TopKRouter(nn.Module):
         noise = None
         if self.training and self.jitter > 0:
             noise = jitter_noise(tuple(x.shape), self.jitter, x.device, first_sample, num_samples)
-        r = route(x, self.weight, self.top_k, self.normalize, noise)
+        moe = self.moe
+        r = route(x, self.weight, self.top_k, moe.normalize_top_k, noise, moe.score_function,
+                  self.e_score_correction_bias, moe.n_group, moe.topk_group,
+                  moe.routed_scaling_factor)
         return r.logits, r.probs, r.expert_idx, r.weights

@@ -97,6 +97,11 @@ def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str
         if size % tp:
             out.append(f"parallel.tensor_parallel_size ({tp}) does not divide model.{name} "
                        f"({size}): choose a divisor of {size}")
+    shared = m.moe.shared_ffn_size(m.ffn_hidden_size) if m.moe is not None else 0
+    if shared % tp:
+        out.append(f"parallel.tensor_parallel_size ({tp}) does not divide the shared experts' "
+                   f"inner size ({shared}): set model.moe.shared_expert_ffn_hidden_size to a "
+                   f"multiple of {tp}")
     if m.moe is None and ep != 1:
         out.append(f"parallel.expert_parallel_size ({ep}) must be 1 for model.family {m.family} "
                    f"(no experts): set it to 1 or choose switch or mixtral")

@@ -247,6 +247,11 @@ def test_switch_export_refused(tmp_path, monkeypatch, capsys):
     (dict(normalize_top_k=False), "normalize_top_k.*renormalizes"),
     (dict(moe_layer_freq=2), "moe_layer_freq.*every layer"),
     (dict(router_jitter=0.01), "router_jitter.*experts' inputs"),
+    (dict(score_function="sigmoid"), "score_function.*no expert bias"),
+    (dict(expert_bias_update_rate=1e-3), "expert_bias_update_rate.*no expert bias"),
+    (dict(routed_scaling_factor=2.5), "routed_scaling_factor.*does not scale"),
+    (dict(n_group=2, topk_group=1), "n_group.*group-limited"),
+    (dict(num_shared_experts=1), "num_shared_experts.*no shared experts"),
 ])
 def test_mixtral_features_hf_cannot_represent_refused(moe_kwargs, reason):
     cfg = OurMixtralConfig(**TINY, moe=MoEConfig(**moe_kwargs)).validate()

@@ -347,6 +347,11 @@ SYNC_CASES = {   # name: (config, host syncs on the grouped kernel path)
     "capacity+jitter": (MoEConfig(num_experts=4, top_k=1, capacity_factor=1.0,
                                   normalize_top_k=False, router_jitter=0.5),
                         [("_local_scalar_dense", "jitter_noise")]),
+    # DeepSeek-V3 routing (sigmoid, bias, 1 of 2 groups, scaling) with a gated shared expert.
+    "deepseek+shared": (MoEConfig(num_experts=4, top_k=2, capacity_factor=None,
+                                  score_function="sigmoid", n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5, expert_bias_update_rate=1e-3,
+                                  num_shared_experts=1, shared_expert_gate=True), []),
 }
 # The per-expert loop (no grouped kernel here, or a CUDA dtype/GPU without it) copies the
 # group sizes to the host once per layer call (it used to be once per projection: 3).
@@ -401,7 +406,7 @@ def _ep2_host_syncs(rank, world):
     from model.parallel.groups import build_groups
     groups = build_groups(ep=2)
     kernel = experts._GROUPED_MM
-    for case in ("dropless", "capacity"):
+    for case in ("dropless", "capacity", "deepseek+shared"):
         moe, _ = SYNC_CASES[case]
         for path in ("kernel", "loop"):
             experts._GROUPED_MM = kernel if path == "kernel" else None

@@ -33,7 +33,22 @@ def _configs():
         "switch": SwitchConfig(**SIZES, moe=MoEConfig(num_experts=4, top_k=1, normalize_top_k=False,
                                                       moe_layer_freq=2, **moe)).validate(),
         "mixtral": MixtralConfig(**SIZES, moe=MoEConfig(num_experts=4, top_k=2, **moe)).validate(),
+        # DeepSeek-V3-style routing on a Mixtral-shaped model: sigmoid scores, an expert bias
+        # (set non-zero by ``_set_expert_bias``), 2 of 4 groups kept, scaling, and 2 shared
+        # experts (one FFN of 2 x 48) with Qwen2-MoE's gate.
+        "deepseek": MixtralConfig(**SIZES, moe=MoEConfig(
+            num_experts=8, top_k=2, score_function="sigmoid", n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, expert_bias_update_rate=1e-3, num_shared_experts=2,
+            shared_expert_gate=True, **moe)).validate(),
     }
+
+
+def _set_expert_bias(model) -> None:
+    """A non-zero expert bias, the same in every model and layout, large enough to change the
+    choice of experts (sigmoid scores lie in (0, 1))."""
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.linspace(-0.3, 0.3, b.numel()).roll(int(name.split(".")[1]) + 1))
 
 
 def _switch_with_jitter(jitter: float):
@@ -60,6 +75,7 @@ def _check(cfg, groups, tag, checkpointing="none", seed=None):
     each step (the router jitter draws from them); then the loss must match to 1e-6 relative."""
     ref = Transformer(cfg, None, init_seed=7)
     par = Transformer(cfg, groups, init_seed=7)
+    _set_expert_bias(ref), _set_expert_bias(par)
     par.set_activation_checkpointing(checkpointing)    # recompute re-issues the collectives
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():               # init parity at this layout
@@ -110,6 +126,8 @@ def _two_ranks(rank, world):
     _check(cfgs["switch"], ep2, "ep2/switch")
     _check(cfgs["mixtral"], ep2, "ep2/mixtral/experts-checkpointing", "experts")
     _check(cfgs["dense_tied_1kv"], ep2, "ep2/dense-tied")     # one gradient sum, two uses
+    _check(cfgs["deepseek"], ep2, "ep2/deepseek")
+    _check(cfgs["deepseek"], ep2, "ep2/deepseek/moe-checkpointing", "moe")
     rr = build_groups(ep=2, expert_placement="round_robin")
     _check(cfgs["mixtral"], rr, "ep2-round-robin/mixtral")
     # Each ep rank holds different experts; placements differ as documented.
@@ -161,6 +179,7 @@ def _four_ranks(rank, world):
     _check(cfgs["dense"], g, "tp2xep2/dense")
     sp = build_groups(tp=2, ep=2, sequence_parallel=True)
     _check(cfgs["mixtral"], sp, "tp2xep2-sp/mixtral")
+    _check(cfgs["deepseek"], sp, "tp2xep2-sp/deepseek")
     _check(cfgs["switch"], sp, "tp2xep2-sp/switch")
     # Rank-as-data: group sums of the rank ids name the members.
     def total(group):
@@ -212,3 +231,27 @@ def test_model_parallel_shards_merge_back_into_the_full_model():
         assert full.keys() == ref.keys()
         for name, p in ref.items():
             assert torch.equal(full[name], p.detach()), (placement, name)
+
+
+def test_shared_experts_and_expert_bias_merge_back_into_the_full_model():
+    """The shared experts' tp shards merge like the MLP's; the expert bias (a persistent buffer,
+    the same on every rank) is carried into the merged state dict."""
+    from interop.consolidate import merge_model_parallel
+    from model.parallel.groups import ParallelGroups
+    cfg = _configs()["deepseek"]
+    reference = Transformer(cfg, init_seed=5)
+    _set_expert_bias(reference)
+    ref = reference.state_dict()
+    assert "layers.0.mlp.gate.e_score_correction_bias" in ref
+    shards = {}
+    for ep_rank in range(2):
+        for tp_rank in range(2):
+            model = Transformer(cfg, ParallelGroups(tp=2, ep=2, tp_rank=tp_rank, ep_rank=ep_rank),
+                                init_seed=5)
+            _set_expert_bias(model)
+            shards[ep_rank * 2 + tp_rank] = model.state_dict()
+    world = {"tensor_parallel_size": 2, "expert_parallel_size": 2}
+    full = merge_model_parallel(cfg, world, shards)
+    assert full.keys() == ref.keys()
+    for name, t in ref.items():
+        assert torch.equal(full[name], t), name

@@ -32,8 +32,8 @@ LAYERS = 4            # tiny Mixtral's own depth
 ROUTED_COUNTS = "model/moe/layer.py:load_balancing_losses"
 
 
-def _counts(tmp_path: Path, accumulation: int) -> list[dict]:
-    name = f"acc{accumulation}"
+def _counts(tmp_path: Path, accumulation: int, extra=()) -> list[dict]:
+    name = f"acc{accumulation}{'-modern' if extra else ''}"
     config = ds_variant(tmp_path, "zero1_fp32", train_micro_batch_size_per_gpu=2,
                         gradient_accumulation_steps=accumulation)
     out = tmp_path / name
@@ -41,7 +41,7 @@ def _counts(tmp_path: Path, accumulation: int) -> list[dict]:
            str(free_port()), str(REPO / "tests" / "training" / "_count_allreduce_run.py"),
            "--config", config, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "3",
            "--set", *SMALL, "parallel.expert_parallel_size=2", "eval.every=0",
-           f"model.num_layers={LAYERS}"]
+           f"model.num_layers={LAYERS}", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env={**env(), "ALLREDUCE_COUNTS": str(out)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -82,3 +82,12 @@ def test_step_mode_accumulation_matches_per_micro_batch_sums(tmp_path):
     for a, b in zip(got[2], got[1]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+
+
+def test_the_expert_bias_update_adds_no_all_reduce(tmp_path):
+    """Loss-free balancing (with sigmoid scores, groups and gated shared experts): the update
+    reads the step statistics' all-reduce, so the all-reduces are the same, call site by call
+    site, as plain tiny Mixtral's."""
+    from tests.training.test_host_syncs import MODERN
+    plain, modern = _counts(tmp_path, 2), _counts(tmp_path, 2, MODERN)
+    assert [s["where"] for s in modern] == [s["where"] for s in plain], (plain[0], modern[0])

@@ -24,8 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 LIMIT = 6
 
 
-def _counts(tmp_path: Path, accumulation: int, layers: int) -> list[dict]:
-    name = f"acc{accumulation}-layers{layers}"
+# DeepSeek-V3 routing with loss-free balancing on, and gated shared experts.
+MODERN = ["model.moe.score_function=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2",
+          "model.moe.routed_scaling_factor=2.5", "model.moe.expert_bias_update_rate=1e-3",
+          "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true"]
+
+
+def _counts(tmp_path: Path, accumulation: int, layers: int, extra=()) -> list[dict]:
+    name = f"acc{accumulation}-layers{layers}{'-modern' if extra else ''}"
     config = ds_variant(tmp_path, "zero1_fp32", train_micro_batch_size_per_gpu=2,
                         gradient_accumulation_steps=accumulation)
     out = tmp_path / name
@@ -33,7 +39,7 @@ def _counts(tmp_path: Path, accumulation: int, layers: int) -> list[dict]:
            str(free_port()), str(REPO / "tests" / "training" / "_count_syncs_run.py"), "--config",
            config, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "3", "--set", *SMALL,
            f"model.num_layers={layers}", "eval.every=0",
-           "model.moe.router_jitter=0.0"]      # tiny Mixtral's own value (SMALL turns it on)
+           "model.moe.router_jitter=0.0", *extra]   # tiny Mixtral's jitter (SMALL turns it on)
     proc = subprocess.run(cmd, cwd=REPO, env={**env(), "SYNC_COUNTS": str(out)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -47,3 +53,11 @@ def test_host_syncs_per_optimizer_step(tmp_path, accumulation, layers):
         assert step["count"] <= LIMIT, json.dumps(step["where"], indent=1)
         # The counter sees our calls: at least the one copy of the step statistics.
         assert any(where.startswith("tolist training/stepping.py") for where, _ in step["where"]), step
+
+
+def test_modern_routing_and_the_expert_bias_update_add_no_host_sync(tmp_path):
+    """Sigmoid scores, groups, the bias and its update after every step (from the statistics
+    already on the device), and shared experts: the same syncs, call site by call site, as
+    plain tiny Mixtral."""
+    plain, modern = _counts(tmp_path, 2, 2), _counts(tmp_path, 2, 2, MODERN)
+    assert [s["where"] for s in modern] == [s["where"] for s in plain], (plain[0], modern[0])
