@@ -7,12 +7,13 @@ Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
 ``python launch/train.py ...`` (one process). Everything the run needs is validated before any
 process group is created or any file written; a bad input is one line on stderr and exit code 2.
 Running out of memory is one line too, exit code 3, with a report and the next layout to try in
-the run directory (``planning/oom.py``).
+the run directory (``planning/oom.py``). Checkpoints are written in the background while training
+goes on (``training/saving.py``; a save that fails is exit code 74 when it must stop the run).
 Running the same command again with the same run directory resumes from the newest checkpoint
 that matches its manifest (``training/manifest.py``) with the same data order and RNG streams;
-when checkpoints exist but none matches, it stops with one line (exit code 2). A preemption signal (SIGTERM, SIGUSR1:
-``train.preemption_signals``) makes every rank finish its optimizer step, save it, and exit with
-code 75 (``training/preemption.py``).
+when checkpoints exist but none matches, it stops with one line (exit code 2). A preemption
+signal (``train.preemption_signals``) makes every rank finish its optimizer step, save it, and
+exit with code 75 (``training/preemption.py``).
 
 The loop is one straight line: recipe -> process groups -> data -> model -> deepspeed.initialize
 -> (forward, backward, step) per micro-batch -> metrics, eval, checkpoint.
@@ -32,7 +33,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from training import checkpoint, ds_config, preemption, run_setup, stepping  # noqa: E402
+from training import checkpoint, ds_config, preemption, run_setup, saving, stepping  # noqa: E402
 from planning import oom  # noqa: E402
 from training.recipe import Recipe, apply_overrides, load_recipe  # noqa: E402
 
@@ -121,6 +122,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
                                                  plan.ds, ctx, plan.dp_size)
     code, preempted, stepper.preemption = 0, False, preemption.Preemption(tcfg.preemption_signals, rank0)
+    saver = stepper.saver = saving.Saver(engine, ckpt_dir, tcfg.keep_last, tcfg.async_save, tcfg.on_save_error == "stop")
 
     for step in range(start_step + 1, tcfg.steps + 1):
         # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed, step,
@@ -137,21 +139,22 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         progress.update(row)
         # spike_action "stop": the spiking step was skipped (no weight changed); save that state.
         # A preemption signal on any rank: every rank saves this step and exits.
-        stop = row.get("stopped")
-        preempted = stepper.stop_requested
+        stop, preempted = row.get("stopped"), stepper.stop_requested
         if not (stop or preempted) and recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
             eval_loss = stepper.evaluate(val_batches)
             tracker.log({"step": step, "eval_loss": eval_loss})
             if rank0:
                 print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
+        if stepper.saves_written:       # every rank's writer has finished: publish (all ranks)
+            saver.finish()
         if stop or preempted or step % tcfg.save_every == 0 or step == tcfg.steps:
             where.phase = "checkpoint save"
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
-            tag = checkpoint.save(engine, ckpt_dir, step, client_state, tcfg.keep_last)
-            if tag is None and (stop or preempted or step == tcfg.steps or tcfg.on_save_error == "stop"):
-                code, stop = checkpoint.SAVE_FAILED, (f"its checkpoint could not be written (exit "
-                                                      f"code {checkpoint.SAVE_FAILED}); free space")
+            saver.save(step, client_state, wait=bool(stop or preempted or step == tcfg.steps))
+            tracker.log({"step": step, "save_stall_s": saver.stall_s})
+        tag = saver.published if saver.published == checkpoint.tag_for_step(step) else None
+        code, stop = (saving.SAVE_FAILED, saver.stop_reason) if saver.stop_reason else (code, stop)
         if stop and rank0:
             print(f"stopping at step {step}: {stop}; the step was skipped and {ckpt_dir / tag} "
                   f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
@@ -164,7 +167,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         if stop or preempted:
             code = code or (preemption.EXIT_CODE if preempted else 0)
             break
-    checkpoint.wait_for_pruning()
+    saver.close()
     tracker.close()
     stepper.preemption.close()
     return code

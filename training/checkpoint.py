@@ -7,11 +7,11 @@ Layout under ``<run-dir>/checkpoints/``::
     step00000100/
     latest             the newest verified tag (the offline tools read it)
 
-DeepSpeed's ``save_checkpoint`` is told not to write ``latest`` itself. Once every rank has
-written its shards, the ranks hash the tag's files, rank 0 writes the manifest
+Saving is ``training/saving.py``: DeepSpeed's ``save_checkpoint`` is told not to write ``latest``
+itself; once every rank's files are written and hashed, rank 0 writes the manifest
 (``training/manifest.py``) and only then moves ``latest`` (atomically). Old tags beyond
 ``keep_last`` are deleted after the pointer has moved, by rank 0 in a background thread: no rank
-waits in a collective while hundreds of GB are removed. ``load`` resumes from the newest
+waits in a collective while hundreds of GB are removed. ``load`` (here) resumes from the newest
 checkpoint whose files all match its manifest, warning about any it skips, and refuses to start
 over when checkpoints exist but none verifies.
 """
@@ -19,20 +19,14 @@ over when checkpoints exist but none verifies.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from model.parallel import comm
 from training import manifest, torch_load
-from training.files import atomic_write
 
 LATEST = "latest"
-SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
 UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
 LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer in <ckpt>/universal/
 
@@ -85,108 +79,6 @@ def _verified_tag(engine, ckpt_dir: Path) -> str | None:
         print(f"warning: skipping checkpoints in {ckpt_dir} that do not verify "
               f"({', '.join(skipped)}); resuming from {ckpt_dir / tag}", file=sys.stderr, flush=True)
     return tag
-
-
-def save(engine, ckpt_dir: Path, step: int, client_state: dict, keep_last: int) -> str | None:
-    """Save a checkpoint on every rank, write its manifest, then move ``latest`` and prune
-    (rank 0). Returns the tag, or None on every rank when any rank could not write its part
-    (a full disk, a permission, an I/O error): that rank prints one line, ``latest`` keeps
-    naming the previous checkpoint, and the partial folder is removed.
-
-    Communicates over the default group: after the shards are written, after the manifest's
-    shares are hashed, and after rank 0 has written the manifest, the ranks agree in one small
-    all-reduce whether all went well (also the barrier each step needs). Pruning runs in the
-    background (``wait_for_pruning`` joins it).
-    """
-    tag, rank, world = tag_for_step(step), engine.global_rank, engine.world_size
-    folder = Path(ckpt_dir) / tag
-    device = next(engine.module.parameters()).device
-    if rank == 0:                  # an earlier save of this tag (before a fallback resume)
-        (folder / manifest.MANIFEST).unlink(missing_ok=True)
-    errors: list[str] = []
-    with _write_errors_caught(engine, errors):
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    stages = (lambda: manifest.write_share(folder, rank, world),
-              lambda: rank == 0 and _publish(engine, ckpt_dir, folder, step, keep_last))
-    for stage in (None, *stages):
-        if stage is not None:
-            try:
-                stage()
-            except OSError as err:
-                errors.append(f"{err.strerror or err}: {err.filename or folder}")
-        failed = torch.tensor([float(bool(errors))], device=device)
-        if comm.job_sum(failed).item() > 0:
-            if errors:
-                print(f"warning: rank {rank} could not write checkpoint {folder} ({errors[0]}); "
-                      f"{LATEST} still names the previous checkpoint", file=sys.stderr, flush=True)
-            if rank == 0:
-                shutil.rmtree(folder, ignore_errors=True)
-            return None
-    return tag
-
-
-def _publish(engine, ckpt_dir: Path, folder: Path, step: int, keep_last: int) -> None:
-    """Rank 0, once every share is hashed: the manifest, then ``latest``, then pruning."""
-    layout = {"world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
-              "mp_world_size": engine.mp_world_size}
-    manifest.merge(folder, step, layout, engine.world_size)
-    atomic_write(Path(ckpt_dir) / LATEST, folder.name)
-    wait_for_pruning()                          # the previous save's deletions, if still running
-    old = _prunable(Path(ckpt_dir), folder.name, keep_last)
-    if old:
-        _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
-        _PRUNER[0].start()
-
-
-@contextmanager
-def _write_errors_caught(engine, errors: list[str]):
-    """DeepSpeed's file writes with OSError recorded in ``errors`` instead of raised, so that
-    a rank whose disk is full still reaches DeepSpeed's own barriers (a raise would leave the
-    other ranks waiting there); after the first error the rank writes nothing more."""
-    write = engine.checkpoint_engine.save
-
-    def guarded(state_dict, path):
-        if errors:
-            return None
-        try:
-            return write(state_dict=state_dict, path=path)
-        except OSError as err:
-            errors.append(f"{err.strerror or err}: {path}")
-            return None
-
-    engine.checkpoint_engine.save = guarded
-    try:
-        yield errors
-    finally:
-        del engine.checkpoint_engine.save
-
-
-def _prunable(ckpt_dir: Path, tag: str, keep_last: int) -> list[Path]:
-    """The folders to delete once ``tag`` (its manifest written) is ``latest``: of those up to
-    ``tag``, the ones with a manifest beyond the newest ``keep_last`` and every one without
-    (failed saves). Newer folders, left by a run that resumed from an older checkpoint, stay
-    until this run saves over them. ``keep_last`` 0 keeps everything."""
-    if keep_last <= 0:
-        return []
-    folders = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name <= tag),
-                     reverse=True)
-    complete = [p for p in folders if (p / manifest.MANIFEST).is_file()]      # tag first
-    return complete[keep_last:] + [p for p in folders if p not in complete]
-
-
-_PRUNER: list[threading.Thread | None] = [None]
-
-
-def _remove(folders: list[Path]) -> None:
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def wait_for_pruning() -> None:
-    """Join the background deletion of old checkpoints (rank 0), if one is running."""
-    if _PRUNER[0] is not None:
-        _PRUNER[0].join()
-        _PRUNER[0] = None
 
 
 def universal_tag(ckpt_dir: Path) -> str | None:

@@ -80,15 +80,26 @@ def write_share(folder: Path, rank: int, world: int) -> None:
     atomic_write(_share_path(folder, rank), json.dumps(entries))
 
 
-def merge(folder: Path, step: int, layout: dict, world: int) -> None:
-    """Rank 0, after every rank's ``write_share``: check that the shares cover every file at the
-    size each has now, write ``manifest.json`` (atomic) and delete the shares. ValueError (one
-    line) when a file is not as hashed."""
+def write_entries(folder: Path, rank: int, entries: dict) -> None:
+    """This rank's share as given (name -> ``{"bytes", "crc32"}``): the files it wrote itself,
+    hashed from memory by a background save (``training/saving.py``)."""
+    atomic_write(_share_path(folder, rank), json.dumps(entries))
+
+
+def merge(folder: Path, step: int, layout: dict, world: int, hash_the_rest: bool = False) -> None:
+    """Rank 0, after every rank's share: check that the shares cover every file at the size each
+    has now, write ``manifest.json`` (atomic) and delete the shares. ValueError (one line) when a
+    file is not as hashed. ``hash_the_rest``: the files no share names (those DeepSpeed writes
+    itself, e.g. rank 0's ``zero_to_fp32.py``, beside the shares of ``write_entries``) are
+    hashed here."""
     folder = Path(folder)
     files = {}
     for rank in range(world):
         files.update(json.loads(_share_path(folder, rank).read_text()))
     names = list_files(folder)
+    for name in (n for n in names if hash_the_rest and n not in files):
+        size, crc = checksum(folder / name)
+        files[name] = {"bytes": size, "crc32": crc}
     unhashed = sorted(set(names) ^ set(files))
     wrong = [n for n in names if n in files and (folder / n).stat().st_size != files[n]["bytes"]]
     if unhashed or wrong:

@@ -125,6 +125,8 @@ class TrainConfig:
     """A step's loss above spike_factor x the running mean of the last spike_window steps spikes."""
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
+    async_save: bool = True
+    """Write checkpoint files in a background thread while training goes on (training/saving.py)."""
     on_save_error: Literal["continue", "stop"] = "continue"
     """A checkpoint a rank could not write (disk full): keep training, or stop with exit code 74."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")

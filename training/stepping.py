@@ -130,6 +130,7 @@ class Stepper:
         self.pipeline = ctx.groups.pp > 1
         self.preemption = None          # a training.preemption.Preemption, set by the trainer
         self.stop_requested = False     # a rank got a preemption signal before this step's end
+        self.saver, self.saves_written = None, True     # training.saving.Saver, set by the trainer
         self.grad_sync = None if self.pipeline else self.model.grad_sync
         if self.grad_sync is not None:
             self.grad_sync.mode = replica_sync_mode(ds)
@@ -254,13 +255,15 @@ class Stepper:
         self._decided = (values, step_loss, saved_lr, skip_reason)
 
     def _to_host(self, stats: torch.Tensor) -> list[float]:
-        """The step's one host copy: the summed statistics, and whether any rank of the job has
-        received a preemption signal (one all-reduce of one number over the job, so that every
-        rank stops after the same step; ``training/preemption.py``). Sets ``stop_requested``."""
+        """The step's one host copy: the summed statistics, and in the same all-reduce over the
+        job the ranks that got a preemption signal (all stop after the same step;
+        ``training/preemption.py``) and those whose checkpoint writer is still busy (all publish
+        the save together; ``training/saving.py``). Sets ``stop_requested``, ``saves_written``."""
         signalled = self.preemption is not None and self.preemption.received is not None
-        stop = torch.full((1,), float(signalled), dtype=stats.dtype, device=stats.device)
-        values = torch.cat((stats, comm.job_sum(stop))).tolist()
-        self.stop_requested = values.pop() > 0
+        flags = torch.tensor([signalled, self.saver is not None and self.saver.writing],
+                             dtype=stats.dtype, device=stats.device)
+        values = torch.cat((stats, comm.job_sum(flags))).tolist()
+        self.saves_written, self.stop_requested = values.pop() == 0, values.pop() > 0
         return values
 
     def _accumulate(self, stats: torch.Tensor, out, loss: torch.Tensor, gas: int) -> None:

@@ -214,17 +214,23 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, tmp_pa
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
 
 
-@pytest.mark.parametrize("policy", ["continue", "stop"])
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_path, policy):
-    """Rank 1's files of checkpoint 6 fail with ENOSPC. One warning line from that rank; the
-    partial folder is removed and ``latest`` keeps step 3. ``continue``: training goes on (the
-    same losses, later checkpoints saved); ``stop``: exit code 74 at step 6, and the same
-    command without the fault resumes from step 3 and matches the uninterrupted run."""
+@pytest.mark.parametrize("policy,background", [("continue", True), ("stop", True), ("stop", False)])
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_path, policy,
+                                                                 background):
+    """Rank 1's files of checkpoint 6 fail with ENOSPC, written by DeepSpeed in the loop or by
+    the background writer (``train.async_save``). One warning line from that rank; the partial
+    folder is removed and ``latest`` keeps step 3. ``continue``: training goes on (the same
+    losses, later checkpoints saved); ``stop``: exit code 74 at step 6 (in the loop) or at the
+    step by which the ranks learned of it (background: 6 or 7), and the same command without
+    the fault resumes from step 3 and matches the uninterrupted run."""
+    import re
+
     import torch
 
     from training import manifest
     run_dir = tmp_path / policy
-    args = ["train.save_every=3", f"train.on_save_error={policy}"]
+    args = ["train.save_every=3", f"train.on_save_error={policy}",
+            f"train.async_save={str(background).lower()}"]
     proc = launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, script=FAULT_RUN, check=False,
                   extra_env={"FAULT": "enospc", "FAULT_TAG": "step00000006", "FAULT_RANK": "1"})
     log = (tmp_path / f"{policy}.log").read_text()
@@ -241,8 +247,10 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_
                                                               "step00000010"]
     else:
         assert proc.returncode != 0 and "(exit code 74)" in log, log[-3000:]
-        assert (f"stopping at step 6: its checkpoint could not be written (exit code 74); free "
-                f"space and run the same command to resume from step00000003") in log
+        stopped = re.search(r"stopping at step (\d+): its checkpoint for step 6 could not be written "
+                            r"\(exit code 74\); free space and run the same command to resume "
+                            r"from step00000003", log)
+        assert stopped and int(stopped.group(1)) in ((6, 7) if background else (6,)), log[-3000:]
         assert (ckpt / "latest").read_text().strip() == "step00000003"
         launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)  # the disk has room again
     for tag in (p.name for p in ckpt.glob("step*")):
@@ -250,6 +258,31 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_
     resumed, ref = rows(run_dir), rows(zero_runs[3])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_slow_filesystem_stalls_only_a_synchronous_save(zero_runs, tmp_path, background):
+    """Every file write of checkpoint 3 takes 3 s longer (``FAULT=slow``). In the background
+    (``train.async_save``, the default) the loop waits only for the snapshot: under 1.5 s, and
+    the steps after 3 are trained while the files are written. Written in the loop, the save
+    stalls it for at least the 3 s. Either way every checkpoint verifies and the losses are the
+    uninterrupted run's."""
+    import torch
+
+    from training import manifest
+    run_dir = tmp_path / f"slow-{background}"
+    launch(run_dir, "ds_configs/zero3_fp32.json", script=FAULT_RUN,
+           extra=["train.save_every=3", f"train.async_save={str(background).lower()}"],
+           extra_env={"FAULT": "slow", "FAULT_TAG": "step00000003"})
+    logged = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    stall = {r["step"]: r["save_stall_s"] for r in logged if "save_stall_s" in r}
+    assert sorted(stall) == [3, 6, 9, 10]
+    assert stall[3] < 1.5 if background else stall[3] >= 3.0, stall
+    ckpt = run_dir / "checkpoints"
+    for tag in (p.name for p in ckpt.glob("step*")):
+        assert manifest.verify(ckpt / tag, 0, 1, torch.device("cpu")) is None, tag
+    for a, b in zip(rows(zero_runs[3]), rows(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
 
 

@@ -1,5 +1,5 @@
 """Checkpoint manifests (``training/manifest.py``) and the checkpoint folder rules built on them
-(``candidates``, ``_prunable`` in ``training/checkpoint.py``), on small files in one process:
+(``candidates``, ``_prunable`` in ``training/saving.py``), on small files in one process:
 ``verify`` runs without a process group (its all-reduce is then a no-op), and the ranks' shares
 are exercised by calling each rank's part in turn.
 """
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from training import checkpoint, manifest
+from training import checkpoint, manifest, saving
 
 CPU = torch.device("cpu")
 FILES = {"mp_rank_00_model_states.pt": b"m" * 1000,
@@ -97,9 +97,9 @@ def test_resume_candidates_and_pruning(tmp_path):
                                            "step00000009", "step00000006", "step00000005",
                                            "step00000003"]
     # After step 9 was saved (a resume from an older checkpoint): 12 and 15 are newer, kept.
-    prune = checkpoint._prunable(ckpt, "step00000009", keep_last=2)
+    prune = saving._prunable(ckpt, "step00000009", keep_last=2)
     assert sorted(p.name for p in prune) == ["step00000003", "step00000005"]
-    assert checkpoint._prunable(ckpt, "step00000009", keep_last=0) == []
+    assert saving._prunable(ckpt, "step00000009", keep_last=0) == []
     assert checkpoint.candidates(tmp_path / "none") == []
 
 

@@ -1,0 +1,261 @@
+"""Saving checkpoints: every rank's files, verified, then published; in the background by default.
+
+A save has two halves. The first runs in the training loop on every rank: DeepSpeed's
+``save_checkpoint`` builds each file's state and hands it to its checkpoint engine's ``save``.
+The second writes the files, hashes them into the manifest (``training/manifest.py``) and
+publishes the checkpoint: rank 0 writes ``manifest.json``, then moves ``latest``, then prunes.
+
+With ``train.async_save`` (the default) the engine's ``save`` is replaced for the call by a
+snapshot: every tensor's storage copied to host memory (``_snapshot``; a memory copy, a GPU's
+device-to-host). Training then goes on while one thread per rank serializes the snapshots with
+``torch.save`` (the same bytes DeepSpeed would write), fsyncs each file and hashes it. In every step the ranks already sum a flag over
+the job (``Stepper._to_host``); the count of busy writers rides in the same all-reduce, so at the
+first step boundary at which every writer has finished, all ranks publish together. At most one
+save is in flight: the next save, and every save the run ends with, waits for it first. The
+snapshot costs host memory, one rank's share of the checkpoint until its files are written.
+
+Why our own writer: DeepSpeed 0.19's decoupled and fast checkpoint engines need its ``async_io``
+op (libaio), which cannot build where libaio is missing, as on the CPU test machine, and
+``torch.distributed.checkpoint.async_save`` writes DCP's format, not the DeepSpeed files that
+the resume path, ``launch/to_universal.py`` and the offline tools read.
+
+A save fails when a rank cannot write its part (a full disk, a permission, an I/O error): the
+ranks agree on it in one all-reduce, the one rank prints why, ``latest`` keeps naming the
+previous checkpoint, rank 0 removes the partial folder, and the run goes on or stops
+(``train.on_save_error``; a save the run ends with must succeed). A process killed mid-write
+leaves a folder without a manifest, which a resume skips with a warning.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from model.parallel import comm
+from training import manifest
+from training.checkpoint import LATEST, tag_for_step
+from training.files import atomic_write
+
+SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
+
+
+@dataclass
+class _Save:
+    """One save between its two halves."""
+
+    step: int
+    """The optimizer step it holds."""
+    folder: Path
+    """``<ckpt>/<tag>``."""
+    errors: list[str] = field(default_factory=list)
+    """This rank's write errors, one line each (the first is printed)."""
+    files: list[tuple[Path, object]] = field(default_factory=list)
+    """Background saves: each file's path and state (on the host, ``_snapshot``), until written."""
+    thread: threading.Thread | None = None
+    """Background saves: the writer."""
+
+
+class Saver:
+    """The run's checkpoint saves on this rank (every rank has one and calls it alike)."""
+
+    def __init__(self, engine, ckpt_dir: Path, keep_last: int, background: bool,
+                 stop_on_error: bool):
+        self.engine, self.ckpt_dir, self.keep_last = engine, Path(ckpt_dir), keep_last
+        self.background, self.stop_on_error = background, stop_on_error
+        self.device = next(engine.module.parameters()).device
+        self.pending: _Save | None = None
+        self.published: str | None = None      # the tag this run last published
+        self.stop_reason: str | None = None    # set when a failed save must stop the run
+        self.stall_s = 0.0                     # the training loop's wait in the last save()
+
+    @property
+    def writing(self) -> bool:
+        """Whether this rank's writer is still busy (summed over the job each step)."""
+        return self.pending is not None and self.pending.thread is not None and \
+            self.pending.thread.is_alive()
+
+    def save(self, step: int, client_state: dict, wait: bool) -> None:
+        """Save ``step``: the previous save is finished first; with ``wait`` (or without
+        background saves) this one is finished before returning, else it is left in flight."""
+        t0 = time.perf_counter()
+        self.finish()
+        save = _Save(step, self.ckpt_dir / tag_for_step(step))
+        if self.engine.global_rank == 0:       # an earlier save of this tag (before a fallback resume)
+            (save.folder / manifest.MANIFEST).unlink(missing_ok=True)
+        with _engine_writes(self.engine, save, self.background):
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=save.folder.name,
+                                        client_state=client_state, save_latest=False)
+        self.pending = save
+        if self.background and not save.errors:
+            save.thread = threading.Thread(target=_write, args=(save, self.engine.global_rank),
+                                           name="checkpoint-writer")
+            save.thread.start()
+        if wait or not self.background:
+            self.finish(final=wait)
+        self.stall_s = time.perf_counter() - t0
+
+    def finish(self, final: bool = False) -> None:
+        """Wait for the save in flight, if any, and publish it; every rank calls this at the
+        same point (after a step in which ``writing`` was false everywhere, or in ``save``).
+        Collectives over the default group: one small all-reduce after each stage, in which the
+        ranks agree whether every one of them succeeded."""
+        save, self.pending = self.pending, None
+        if save is None:
+            return
+        if save.thread is not None:
+            save.thread.join()
+        rank, world = self.engine.global_rank, self.engine.world_size
+        stages = (None,
+                  None if self.background else (lambda: manifest.write_share(save.folder, rank, world)),
+                  lambda: rank == 0 and self._publish(save))
+        for stage in stages:
+            if stage is not None:
+                try:
+                    stage()
+                except OSError as err:
+                    save.errors.append(f"{err.strerror or err}: {err.filename or save.folder}")
+            if comm.job_sum(torch.tensor([float(bool(save.errors))], device=self.device)).item() > 0:
+                self._failed(save, final)
+                return
+        self.published = save.folder.name
+
+    def _failed(self, save: _Save, final: bool) -> None:
+        if save.errors:
+            print(f"warning: rank {self.engine.global_rank} could not write checkpoint "
+                  f"{save.folder} ({save.errors[0]}); {LATEST} still names the previous checkpoint",
+                  file=sys.stderr, flush=True)
+        if self.engine.global_rank == 0:
+            shutil.rmtree(save.folder, ignore_errors=True)
+        if final or self.stop_on_error:
+            self.stop_reason = (f"its checkpoint for step {save.step} could not be written (exit "
+                                f"code {SAVE_FAILED}); free space")
+
+    def _publish(self, save: _Save) -> None:
+        """Rank 0, once every share is hashed: the manifest, then ``latest``, then pruning."""
+        engine = self.engine
+        layout = {"world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
+                  "mp_world_size": engine.mp_world_size}
+        manifest.merge(save.folder, save.step, layout, engine.world_size,
+                       hash_the_rest=self.background)
+        atomic_write(self.ckpt_dir / LATEST, save.folder.name)
+        wait_for_pruning()                          # the previous save's deletions, if still running
+        old = _prunable(self.ckpt_dir, save.folder.name, self.keep_last)
+        if old:
+            _PRUNER[0] = threading.Thread(target=_remove, args=(old,), name="checkpoint-pruning")
+            _PRUNER[0].start()
+
+    def close(self) -> None:
+        """Finish the save in flight and the pruning (the end of a run)."""
+        self.finish(final=True)
+        wait_for_pruning()
+
+
+@contextmanager
+def _engine_writes(engine, save: _Save, background: bool):
+    """DeepSpeed's file writes for the duration of one ``save_checkpoint``: snapshotted into
+    ``save.files`` (background), or written with OSError recorded in ``save.errors`` instead of
+    raised, so that a rank whose disk is full still reaches DeepSpeed's own barriers (a raise
+    would leave the other ranks waiting there); after the first error the rank writes nothing."""
+    write = engine.checkpoint_engine.save
+
+    def guarded(state_dict, path):
+        if save.errors:
+            return None
+        if background:
+            save.files.append((Path(path), _snapshot(state_dict, {})))
+            return None
+        try:
+            return write(state_dict=state_dict, path=path)
+        except OSError as err:
+            save.errors.append(f"{err.strerror or err}: {path}")
+        return None
+
+    engine.checkpoint_engine.save = guarded
+    try:
+        yield
+    finally:
+        del engine.checkpoint_engine.save
+
+
+def _snapshot(obj, storages: dict):
+    """``obj`` with every tensor on the host, in storage the training loop no longer writes: each
+    storage copied once (a GPU's to the host), views rebuilt on the copies, so that ``torch.save``
+    writes the bytes it would have written from the originals (it saves whole storages, shared
+    ones once). Containers are rebuilt; other objects (a loss scaler, the client state's
+    numbers) are deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in storages:
+            storages[key] = storage.clone() if storage.device.type == "cpu" else storage.cpu()
+        host = torch.empty((0,), dtype=obj.dtype)
+        return host.set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
+    if isinstance(obj, dict):
+        out = copy.copy(obj)            # keeps the type (OrderedDict, ...) and its attributes
+        out.clear()
+        out.update((k, _snapshot(v, storages)) for k, v in obj.items())
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_snapshot(v, storages) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _write(save: _Save, rank: int) -> None:
+    """The background writer: every file of this rank saved and fsynced, its size and CRC-32
+    into this rank's manifest share; each snapshot released once written."""
+    entries = {}
+    try:
+        while save.files:
+            path, state = save.files.pop(0)
+            _write_file(path, state)
+            del state
+            size, crc = manifest.checksum(path)
+            entries[path.relative_to(save.folder).as_posix()] = {"bytes": size, "crc32": crc}
+        manifest.write_entries(save.folder, rank, entries)
+    except OSError as err:
+        save.errors.append(f"{err.strerror or err}: {err.filename or save.folder}")
+        save.files.clear()
+
+
+def _write_file(path: Path, state) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prunable(ckpt_dir: Path, tag: str, keep_last: int) -> list[Path]:
+    """The folders to delete once ``tag`` (its manifest written) is ``latest``: of those up to
+    ``tag``, the ones with a manifest beyond the newest ``keep_last`` and every one without
+    (failed saves). Newer folders, left by a run that resumed from an older checkpoint, stay
+    until this run saves over them. ``keep_last`` 0 keeps everything."""
+    if keep_last <= 0:
+        return []
+    folders = sorted((p for p in ckpt_dir.glob("step*") if p.is_dir() and p.name <= tag),
+                     reverse=True)
+    complete = [p for p in folders if (p / manifest.MANIFEST).is_file()]      # tag first
+    return complete[keep_last:] + [p for p in folders if p not in complete]
+
+
+_PRUNER: list[threading.Thread | None] = [None]
+
+
+def _remove(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def wait_for_pruning() -> None:
+    """Join the background deletion of old checkpoints (rank 0), if one is running."""
+    if _PRUNER[0] is not None:
+        _PRUNER[0].join()
+        _PRUNER[0] = None
