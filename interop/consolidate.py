@@ -120,8 +120,9 @@ def zero3_fp32_shard(folder: Path, mp_rank: int) -> dict[str, torch.Tensor]:
     return z.to_torch_tensor(sd)
 
 
-def load_run_model(run_dir: Path):
-    """The trained model of a run directory (newest complete checkpoint), in fp32 on CPU.
+def load_run_model(run_dir: Path, tag: str | None = None):
+    """The trained model of a run directory, in fp32 on CPU: checkpoint ``tag`` (a folder
+    under ``checkpoints/``), by default the newest complete one.
 
     Returns:
         (model in eval mode, model config, tokenizer)
@@ -135,7 +136,7 @@ def load_run_model(run_dir: Path):
     resolved = read_run_config(run_dir)
     cfg = config_from_dict(resolved["recipe"]["model"])
     ckpt_dir = run_dir / "checkpoints"
-    tag = latest_tag(ckpt_dir)
+    tag = tag or latest_tag(ckpt_dir)
     if tag is None:
         raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "
                          f"(train with save_every, or let the run finish)")
