@@ -1,9 +1,10 @@
-"""Conversion between this repo's models and transformers' Llama / Mixtral (pure functions).
+"""Conversion between this repo's models and transformers' Llama / Mixtral / Qwen2-MoE /
+Qwen3-MoE (pure functions; the Qwen configs are mapped in ``interop/hf_qwen.py``).
 
 Our parameter names are transformers' names without the ``model.`` prefix, so dense weights are a
 key copy. Only the MoE experts change layout:
 
-    ours (x @ W layout)                    transformers 5.x MixtralForCausalLM (W @ x layout)
+    ours (x @ W layout)                    transformers 5.x Mixtral/Qwen*MoeForCausalLM (W @ x)
     experts.gate_proj (E, H, I)  \\
     experts.up_proj   (E, H, I)  /  -->    experts.gate_up_proj (E, 2I, H) = cat(gate^T, up^T, dim=1)
     experts.down_proj (E, I, H)     -->    experts.down_proj    (E, H, I)  = down^T
@@ -28,14 +29,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
 
+from interop import hf_qwen
 from model.config import CONFIG_CLASSES, TransformerConfig, config_from_dict
 from model.transformer import Transformer
 
 __all__ = ["HF_MODEL_TYPES", "from_hf_config", "from_hf_state_dict", "hf_aux_loss_coef",
-           "load_init_dir", "save_init_dir", "to_hf_config", "to_hf_state_dict"]
+           "hf_model_type", "load_init_dir", "save_init_dir", "to_hf_config", "to_hf_state_dict"]
 
 # model_type in an HF config.json -> our family.
-HF_MODEL_TYPES = {"llama": "dense", "mixtral": "mixtral"}
+HF_MODEL_TYPES = {"llama": "dense", "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral"}
+SUPPORTED = ("llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe "
+             "(Qwen2MoeForCausalLM) and qwen3_moe (Qwen3MoeForCausalLM)")
+HF_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 INIT_CONFIG_FILE = "model_config.json"
 INIT_WEIGHTS_FILE = "model.safetensors"
 INIT_TOKENIZER_DIR = "tokenizer"
@@ -61,14 +66,70 @@ SWITCH_EXPORT_ERROR = (
 
 # --------------------------------------------------------------------------- configs
 
+def hf_model_type(cfg: TransformerConfig) -> str:
+    """The transformers architecture our config exports as: dense -> llama; an MoE with q/k norms
+    -> qwen3_moe, else with shared experts -> qwen2_moe, else mixtral. That target then refuses
+    whatever else it cannot hold (``to_hf_config``)."""
+    if cfg.moe is None:
+        return "llama"
+    if cfg.qk_norm:
+        return "qwen3_moe"
+    return "qwen2_moe" if cfg.moe.num_shared_experts else "mixtral"
+
+
+def _refusals(cfg: TransformerConfig, target: str) -> list[tuple[bool, str]]:
+    """(bad, message) for each setting of ``cfg`` HF ``target`` cannot represent."""
+    name = HF_NAMES[target]
+    out = [(cfg.qk_norm and target != "qwen3_moe", f"model.qk_norm is true but HF {name} has no "
+            "q/k norms; fix: train with qk_norm false"),
+           (cfg.qkv_bias and target in ("llama", "mixtral"), f"model.qkv_bias is true but HF "
+            f"{name}'s attention_bias also biases o_proj; fix: train with qkv_bias false")]
+    moe = cfg.moe
+    if moe is None:
+        return out
+    out += [
+        (moe.capacity_factor is not None, f"model.moe.capacity_factor ({moe.capacity_factor}) is set "
+         f"but HF {name} is dropless; fix: train with capacity_factor null"),
+        (moe.eval_capacity_factor is not None, f"model.moe.eval_capacity_factor "
+         f"({moe.eval_capacity_factor}) is set but HF {name} is dropless; fix: set it to null"),
+        (moe.router_jitter != 0, f"model.moe.router_jitter ({moe.router_jitter}) != 0 but HF "
+         f"{name}'s router_jitter_noise also scales the experts' inputs, not only the router's "
+         "(Qwen has none); fix: train with router_jitter 0"),
+        (moe.expert_bias, f"model.moe.score_function ({moe.score_function}) / "
+         f"expert_bias_update_rate ({moe.expert_bias_update_rate}): HF {name} routes by softmax "
+         "with no expert bias; fix: train with score_function softmax and rate 0"),
+        (moe.routed_scaling_factor != 1.0, f"model.moe.routed_scaling_factor "
+         f"({moe.routed_scaling_factor}) != 1 but HF {name} does not scale the combine weights"),
+        (moe.n_group > 1, f"model.moe.n_group ({moe.n_group}) > 1 but HF {name} has no "
+         "group-limited routing; fix: train with n_group 1"),
+    ]
+    if target != "mixtral":
+        return out + hf_qwen.qwen_refusals(cfg, target)
+    return out + [
+        (not moe.normalize_top_k, "model.moe.normalize_top_k is false but HF Mixtral always "
+         "renormalizes the top-k weights; fix: train with normalize_top_k true"),
+        (moe.moe_layer_freq != 1, f"model.moe.moe_layer_freq ({moe.moe_layer_freq}) != 1 but HF "
+         "Mixtral has an MoE FFN in every layer; fix: train with moe_layer_freq 1"),
+        (moe.first_k_dense > 0, f"model.moe.first_k_dense ({moe.first_k_dense}) > 0 but HF "
+         "Mixtral has an MoE FFN in every layer; fix: train with first_k_dense 0"),
+    ]
+
+
 def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> PretrainedConfig:
-    """Our config as a transformers ``LlamaConfig`` (dense) or ``MixtralConfig`` (mixtral).
+    """Our config as a transformers ``LlamaConfig`` (dense) or, for mixtral, the
+    ``MixtralConfig`` / ``Qwen2MoeConfig`` / ``Qwen3MoeConfig`` that ``hf_model_type`` picks.
 
     Raises:
-        ValueError: for the switch family and for MoE settings HF Mixtral cannot represent.
+        ValueError: for the switch family and for settings the HF target cannot represent.
     """
     if cfg.family == "switch":
         raise ValueError(SWITCH_EXPORT_ERROR)
+    if cfg.family not in ("dense", "mixtral"):
+        raise ValueError(f"model.family ({cfg.family!r}) has no HF export: use dense or mixtral")
+    target = hf_model_type(cfg)
+    for bad, message in _refusals(cfg, target):
+        if bad:
+            raise ValueError(f"cannot export to HF {HF_NAMES[target]}: {message}")
     common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -77,45 +138,23 @@ def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> 
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
         attention_dropout=0.0, dtype=dtype)
-    if cfg.family == "dense":
+    if target == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
-    if cfg.family != "mixtral":
-        raise ValueError(f"model.family ({cfg.family!r}) has no HF export: use dense or mixtral")
     moe = cfg.moe
-    unsupported = [
-        (moe.capacity_factor is not None, f"model.moe.capacity_factor ({moe.capacity_factor}) is set "
-         "but HF Mixtral is dropless; fix: train with capacity_factor null"),
-        (moe.eval_capacity_factor is not None, f"model.moe.eval_capacity_factor "
-         f"({moe.eval_capacity_factor}) is set but HF Mixtral is dropless; fix: set it to null"),
-        (not moe.normalize_top_k, "model.moe.normalize_top_k is false but HF Mixtral always "
-         "renormalizes the top-k weights; fix: train with normalize_top_k true"),
-        (moe.moe_layer_freq != 1, f"model.moe.moe_layer_freq ({moe.moe_layer_freq}) != 1 but HF "
-         "Mixtral has an MoE FFN in every layer; fix: train with moe_layer_freq 1"),
-        (moe.router_jitter != 0, f"model.moe.router_jitter ({moe.router_jitter}) != 0 but HF "
-         "Mixtral's router_jitter_noise also scales the experts' inputs, not only the router's; "
-         "fix: train with router_jitter 0"),
-        (moe.expert_bias, f"model.moe.score_function ({moe.score_function}) / "
-         f"expert_bias_update_rate ({moe.expert_bias_update_rate}): HF Mixtral routes by softmax "
-         "with no expert bias; fix: train with score_function softmax and rate 0"),
-        (moe.routed_scaling_factor != 1.0, f"model.moe.routed_scaling_factor "
-         f"({moe.routed_scaling_factor}) != 1 but HF Mixtral does not scale the combine weights"),
-        (moe.n_group > 1, f"model.moe.n_group ({moe.n_group}) > 1 but HF Mixtral has no "
-         "group-limited routing; fix: train with n_group 1"),
-        (moe.num_shared_experts > 0, f"model.moe.num_shared_experts ({moe.num_shared_experts}) "
-         "> 0 but HF Mixtral has no shared experts; fix: train with num_shared_experts 0"),
-    ]
-    for bad, message in unsupported:
-        if bad:
-            raise ValueError(f"cannot export to HF MixtralForCausalLM: {message}")
+    common.update(router_aux_loss_coef=hf_aux_loss_coef(moe.aux_loss_coef, moe.top_k),
+                  **{Z_LOSS_ATTR: moe.z_loss_coef})
+    if target != "mixtral":
+        return hf_qwen.to_qwen_config(cfg, target, common)
+    # No dense blocks (refused above): HF's intermediate_size is the experts' inner size.
+    common["intermediate_size"] = cfg.expert_ffn_size
     return MixtralConfig(
         **common, sliding_window=None, num_local_experts=moe.num_experts,
-        num_experts_per_tok=moe.top_k,
-        router_aux_loss_coef=hf_aux_loss_coef(moe.aux_loss_coef, moe.top_k),
-        router_jitter_noise=0.0, output_router_logits=False, **{Z_LOSS_ATTR: moe.z_loss_coef})
+        num_experts_per_tok=moe.top_k, router_jitter_noise=0.0, output_router_logits=False)
 
 
 def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
-    """A transformers Llama / Mixtral config as our ``DenseConfig`` / ``MixtralConfig``.
+    """A transformers Llama config as our ``DenseConfig``; a Mixtral, Qwen2-MoE or Qwen3-MoE
+    config as our ``MixtralConfig``.
 
     Raises:
         ValueError: naming the HF field for architectures or features our model does not have
@@ -126,8 +165,7 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
         archs = getattr(hf_config, "architectures", None) or []
         raise ValueError(
             f"config.json model_type ({model_type!r}{', ' + '/'.join(archs) if archs else ''}) is "
-            f"not supported: convert_hf imports llama (LlamaForCausalLM) and mixtral "
-            f"(MixtralForCausalLM) checkpoints only")
+            f"not supported: convert_hf imports {SUPPORTED} checkpoints only")
     h, heads = hf_config.hidden_size, hf_config.num_attention_heads
 
     def refuse(field: str, value, why: str) -> None:
@@ -136,11 +174,10 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
     if hf_config.hidden_act != "silu":
         refuse("hidden_act", hf_config.hidden_act, "our MLP is SwiGLU (silu)")
     head_dim = getattr(hf_config, "head_dim", None)
-    if head_dim is not None and head_dim != h // heads:
-        refuse("head_dim", head_dim, f"ours is hidden_size/num_attention_heads ({h // heads})")
     for field in ("attention_bias", "mlp_bias"):
         if getattr(hf_config, field, False):
-            refuse(field, True, "our projections have no bias")
+            refuse(field, True, "its o_proj or MLP bias has no place in our model (model.qkv_bias "
+                   "covers q, k and v only)")
     if getattr(hf_config, "attention_dropout", 0.0):
         refuse("attention_dropout", hf_config.attention_dropout, "our attention has no dropout; set 0.0")
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -155,12 +192,13 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
         num_heads=heads, num_kv_heads=hf_config.num_key_value_heads or heads,
         ffn_hidden_size=hf_config.intermediate_size, max_seq_len=max_seq_len,
         rope_theta=float(rope_theta), norm_eps=hf_config.rms_norm_eps,
-        tie_embeddings=bool(hf_config.tie_word_embeddings), init_std=hf_config.initializer_range)
+        tie_embeddings=bool(hf_config.tie_word_embeddings), init_std=hf_config.initializer_range,
+        attn_head_dim=None if head_dim in (None, h // heads) else head_dim)
     if model_type == "llama":
         return CONFIG_CLASSES["dense"](**common).validate()
 
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < max_seq_len:
+    if window and getattr(hf_config, "use_sliding_window", True) and window < max_seq_len:
         # A window at least as long as the context is the same as full causal attention.
         refuse("sliding_window", window, f"our attention is full causal; it must be null or >= "
                f"max_position_embeddings ({max_seq_len})")
@@ -168,11 +206,13 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
         refuse("router_jitter_noise", hf_config.router_jitter_noise, "HF's jitter also scales the "
                "experts' inputs; set it to 0.0 (our router-only jitter is model.moe.router_jitter)")
     moe_defaults = CONFIG_CLASSES["mixtral"]().moe
-    moe = dataclasses.replace(
-        moe_defaults, num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
-        # The inverse of hf_aux_loss_coef: the same weighted loss as transformers'.
+    losses = dict(  # The inverse of hf_aux_loss_coef: the same weighted loss as transformers'.
         aux_loss_coef=float(hf_config.router_aux_loss_coef) * hf_config.num_experts_per_tok,
         z_loss_coef=float(getattr(hf_config, Z_LOSS_ATTR, moe_defaults.z_loss_coef)))
+    if model_type in hf_qwen.QWEN_MODEL_TYPES:
+        return hf_qwen.from_qwen_config(hf_config, common, losses, refuse).validate()
+    moe = dataclasses.replace(moe_defaults, num_experts=hf_config.num_local_experts,
+                              top_k=hf_config.num_experts_per_tok, **losses)
     return CONFIG_CLASSES["mixtral"](**common, moe=moe).validate()
 
 
@@ -199,12 +239,25 @@ def _check_shape(name: str, tensor: torch.Tensor, shape, what: str) -> None:
                          f"implies {tuple(shape)}")
 
 
+def _renames(cfg: TransformerConfig) -> dict[str, str]:
+    """Our name fragment -> transformers' where they differ (Qwen2-MoE's one shared expert)."""
+    return dict([hf_qwen.SHARED_EXPERT_KEYS]) if hf_model_type(cfg) == "qwen2_moe" else {}
+
+
+def _rename(name: str, renames: dict[str, str]) -> str:
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
+
+
 def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict -> the in-memory state dict of transformers' Llama/MixtralForCausalLM.
+    """Our state dict -> the in-memory state dict of the transformers model ``hf_model_type``
+    names (Llama, Mixtral, Qwen2-MoE or Qwen3-MoE ForCausalLM).
 
     With tied embeddings ``lm_head.weight`` is emitted as the embedding (HF's model has both keys).
     The exact inverse of ``from_hf_state_dict``.
     """
+    renames = _renames(cfg)
     shapes = _reference_shapes(cfg)
     _check_keys(our_sd, shapes, "state dict")
     out = {}
@@ -222,14 +275,14 @@ def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) ->
         elif name == "lm_head.weight":
             out[name] = t
         else:
-            out["model." + name] = t
+            out["model." + _rename(name, renames)] = t
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
 def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers Llama/MixtralForCausalLM state dict (the in-memory layout, as
+    """A transformers Llama/Mixtral/Qwen*MoeForCausalLM state dict (the in-memory layout, as
     ``model.state_dict()`` holds it) -> ours (contiguous tensors).
 
     ``lm_head.weight`` is dropped when the embeddings are tied; legacy ``rotary_emb.inv_freq``
@@ -239,8 +292,10 @@ def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -
     if cfg.tie_embeddings:
         hf_sd.pop("lm_head.weight", None)
     shapes = _reference_shapes(cfg)
+    renames = {new: old for old, new in _renames(cfg).items()}
     out = {}
     for name, t in hf_sd.items():
+        name = _rename(name, renames)
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name.removeprefix("model.").removesuffix("gate_up_proj")
             gate, up = t.chunk(2, dim=1)                                 # (E, 2I, H) -> 2 x (E, I, H)

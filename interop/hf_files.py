@@ -1,8 +1,9 @@
 """Reading and writing transformers (Hugging Face) checkpoint folders.
 
-``export_hf`` writes our model as ``LlamaForCausalLM`` / ``MixtralForCausalLM`` (safetensors)
-plus its tokenizer; ``import_hf`` reads a local Llama/Mixtral folder into an init dir for
-``train.py --init-from``. The config and weight-name mapping is ``interop/hf.py``. Used by
+``export_hf`` writes our model as ``LlamaForCausalLM`` / ``MixtralForCausalLM`` /
+``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` (safetensors, the class ``hf.hf_model_type``
+picks) plus its tokenizer; ``import_hf`` reads a local folder of any of them into an init dir
+for ``train.py --init-from``. The config and weight-name mapping is ``interop/hf.py``. Used by
 ``launch/convert_hf.py``.
 """
 
@@ -32,7 +33,7 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
 
     Args:
         model: our ``Transformer`` (any device; weights are copied to CPU).
-        cfg: its config (dense or mixtral).
+        cfg: its config (dense or mixtral; see ``hf.hf_model_type`` for the HF class).
         tokenizer: a transformers tokenizer, saved beside the weights (None to skip).
         out_dir: target folder (created).
         dtype: dtype of the saved weights.
@@ -86,7 +87,7 @@ def verify_export(model, out_dir: Path, num_tokens: int = 16) -> float:
 # --------------------------------------------------------------------------- import
 
 def read_hf_dir(hf_dir: Path):
-    """Read a local transformers Llama/Mixtral folder.
+    """Read a local transformers Llama/Mixtral/Qwen2-MoE/Qwen3-MoE folder.
 
     Returns:
         (HF config, HF state dict in transformers' in-memory layout, tokenizer or None)
@@ -106,8 +107,7 @@ def read_hf_dir(hf_dir: Path):
     if model_type not in hf.HF_MODEL_TYPES:
         archs = "/".join(raw.get("architectures") or []) or "unknown architecture"
         raise ValueError(f"--hf {hf_dir}: model_type {model_type!r} ({archs}) is not supported; "
-                         f"convert_hf imports llama (LlamaForCausalLM) and mixtral "
-                         f"(MixtralForCausalLM) only")
+                         f"convert_hf imports {hf.SUPPORTED} only")
     hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     state_dict = _read_weights(hf_dir, hf_config)
     tokenizer = None
@@ -146,7 +146,7 @@ def _read_weights(hf_dir: Path, hf_config) -> dict[str, torch.Tensor]:
 
 
 def import_hf(hf_dir: Path, out_dir: Path):
-    """Convert a local HF Llama/Mixtral folder into an init dir for ``train.py --init-from``.
+    """Convert a local HF Llama/Mixtral/Qwen-MoE folder into an init dir for ``train.py --init-from``.
 
     Returns:
         Our config of the imported model.

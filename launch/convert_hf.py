@@ -1,13 +1,14 @@
 """Convert between a run of this repo and a transformers (Hugging Face) checkpoint folder.
 
     python launch/convert_hf.py export --run-dir runs/dense --out hf/dense [--dtype bfloat16]
-    python launch/convert_hf.py import --hf path/to/Llama-or-Mixtral --out init/llama
+    python launch/convert_hf.py import --hf path/to/Llama-Mixtral-or-Qwen-MoE --out init/llama
     deepspeed launch/train.py --config ... --init-from init/llama
 
 ``export`` writes a folder that ``AutoModelForCausalLM`` / ``AutoTokenizer`` load: dense as
-``LlamaForCausalLM``, mixtral as ``MixtralForCausalLM`` (safetensors), with the same loss on any
-text. ``import`` reads a local Llama/Mixtral folder and writes an init dir (see
-``interop/hf.py``). Nothing is downloaded. Bad input ends with one line on stderr and
+``LlamaForCausalLM``, mixtral as ``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with
+``qk_norm``, ``Qwen2MoeForCausalLM`` with a gated shared expert (safetensors), with the same loss
+on any text. ``import`` reads a local folder of any of the four and writes an init dir (see
+``interop/hf.py``, ``interop/hf_qwen.py``). Nothing is downloaded. Bad input ends with one line on stderr and
 exit code 2.
 """
 
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--verify", action="store_true",
                      help="reload --out with AutoModelForCausalLM and print the max logit difference")
     imp = sub.add_parser("import", help="transformers checkpoint folder -> init dir for --init-from")
-    imp.add_argument("--hf", type=Path, required=True, help="local Llama/Mixtral folder")
+    imp.add_argument("--hf", type=Path, required=True, help="local Llama/Mixtral/Qwen2-MoE/Qwen3-MoE folder")
     imp.add_argument("--out", type=Path, required=True, help="init dir to write")
     imp.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return parser

@@ -37,6 +37,10 @@ class MoEConfig:
     """Weight of the router z-loss (ST-MoE c_z = 1e-3)."""
     moe_layer_freq: int = 1
     """Every moe_layer_freq-th block has an MoE FFN (blocks freq-1, 2*freq-1, ...); the rest are MLPs."""
+    first_k_dense: int = 0
+    """The first first_k_dense blocks have a dense MLP whatever moe_layer_freq says (DeepSeek-V3: 3)."""
+    expert_ffn_hidden_size: int | None = None
+    """Inner size of each routed expert; null = model.ffn_hidden_size (fine-grained experts: smaller)."""
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores: softmax over the experts (Switch, Mixtral) or one sigmoid per expert (DeepSeek-V3)."""
     routed_scaling_factor: float = 1.0
@@ -50,7 +54,7 @@ class MoEConfig:
     num_shared_experts: int = 0
     """Always-on SwiGLU experts beside the routed ones, run as one FFN (DeepSeek, Qwen2-MoE); 0 = none."""
     shared_expert_ffn_hidden_size: int | None = None
-    """Inner size of that shared FFN; null = num_shared_experts x model.ffn_hidden_size."""
+    """Inner size of that shared FFN; null = num_shared_experts x the routed experts' inner size."""
     shared_expert_gate: bool = False
     """Scale the shared FFN's output per token by sigmoid(x @ w_gate) (Qwen2-MoE)."""
 
@@ -60,11 +64,11 @@ class MoEConfig:
         keeps one, also frozen) or with loss-free balancing on."""
         return self.score_function == "sigmoid" or self.expert_bias_update_rate > 0
 
-    def shared_ffn_size(self, ffn_hidden_size: int) -> int:
-        """Inner size of the shared FFN (0 without shared experts)."""
+    def shared_ffn_size(self, expert_ffn_size: int) -> int:
+        """Inner size of the shared FFN (0 without shared experts), given the routed experts'."""
         if not self.num_shared_experts:
             return 0
-        return self.shared_expert_ffn_hidden_size or self.num_shared_experts * ffn_hidden_size
+        return self.shared_expert_ffn_hidden_size or self.num_shared_experts * expert_ffn_size
 
     def capacity(self, num_tokens: int, training: bool) -> int | None:
         """Slots per expert for ``num_tokens`` routed tokens, or None when dropless."""
@@ -76,6 +80,8 @@ class MoEConfig:
     def validate(self, prefix: str = "model.moe") -> None:
         for name in ("num_experts", "top_k", "moe_layer_freq"):
             check_int(f"{prefix}.{name}", getattr(self, name))
+        check_int(f"{prefix}.first_k_dense", self.first_k_dense, low=0)
+        check_int(f"{prefix}.expert_ffn_hidden_size", self.expert_ffn_hidden_size, optional=True)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"{prefix}.top_k ({self.top_k}) exceeds {prefix}.num_experts ({self.num_experts}): "
@@ -170,16 +176,28 @@ class TransformerConfig:
     """Share the input embedding with the output head."""
     init_std: float = 0.02
     """Std of the normal init of every weight matrix (output projections scaled by 1/sqrt(2L))."""
+    attn_head_dim: int | None = None
+    """Width of each attention head; null = hidden_size / num_heads (Qwen3: 128 at 2048 / 32 heads)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm (head_dim weights) on q and k before RoPE (Qwen3, Qwen3-MoE)."""
+    qkv_bias: bool = False
+    """Bias on the q, k and v projections, not on o_proj (Qwen2, Qwen2-MoE)."""
     moe: MoEConfig | None = None
     """MoE settings; None for dense."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attn_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Inner size of each routed expert (``model.moe.expert_ffn_hidden_size`` or the MLP's)."""
+        return (self.moe and self.moe.expert_ffn_hidden_size) or self.ffn_hidden_size
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether block ``layer_idx`` has an MoE FFN instead of a dense MLP."""
-        if self.moe is None:
+        """Whether block ``layer_idx`` has an MoE FFN instead of a dense MLP: the one rule every
+        part of the repo asks (model, pipeline stages, trainer, memory model, estimator)."""
+        if self.moe is None or layer_idx < self.moe.first_k_dense:
             return False
         return (layer_idx + 1) % self.moe.moe_layer_freq == 0
 
@@ -191,14 +209,15 @@ class TransformerConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "ffn_hidden_size", "max_seq_len"):
             check_int(f"model.{name}", getattr(self, name))
-        if self.hidden_size % self.num_heads:
+        check_int("model.attn_head_dim", self.attn_head_dim, optional=True)
+        if self.attn_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "
-                f"({self.num_heads}): choose num_heads dividing hidden_size")
+                f"({self.num_heads}): choose num_heads dividing hidden_size or set model.attn_head_dim")
         if self.head_dim % 2:
             raise ValueError(
-                f"model.hidden_size/num_heads ({self.head_dim}) must be even for RoPE: "
-                f"change hidden_size or num_heads")
+                f"the head width ({self.head_dim}: model.attn_head_dim, else hidden_size/"
+                f"num_heads) must be even for RoPE: change attn_head_dim, hidden_size or num_heads")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) is not divisible by model.num_kv_heads "
@@ -207,6 +226,11 @@ class TransformerConfig:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
         if self.moe is not None:
             self.moe.validate()
+            if self.moe.first_k_dense and not self.num_moe_layers:
+                raise ValueError(
+                    f"model.moe.first_k_dense ({self.moe.first_k_dense}) leaves no MoE block among "
+                    f"the model.num_layers ({self.num_layers}) with moe_layer_freq "
+                    f"({self.moe.moe_layer_freq}): lower first_k_dense or add layers")
         return self
 
     @property
@@ -214,19 +238,27 @@ class TransformerConfig:
         """Parameters of one MoE layer's shared FFN and its gate (active for every token)."""
         if self.moe is None or not self.moe.num_shared_experts:
             return 0
-        return 3 * self.hidden_size * self.moe.shared_ffn_size(self.ffn_hidden_size) + (
+        return 3 * self.hidden_size * self.moe.shared_ffn_size(self.expert_ffn_size) + (
             self.hidden_size if self.moe.shared_expert_gate else 0)
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one block's attention: q, k, v, o and any qkv biases and q/k norms."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return (self.hidden_size * (2 * q + 2 * kv) + (q + 2 * kv if self.qkv_bias else 0)
+                + (2 * self.head_dim if self.qk_norm else 0))
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count; ``active=True`` counts only the experts a token is routed to."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        attn = h * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads) + 2 * h
+        attn = self.attention_params + 2 * h                     # and the block's two norms
         mlp = 3 * h * f
         total = self.vocab_size * h * (1 if self.tie_embeddings else 2) + h
         for i in range(L):
             if self.is_moe_layer(i):
                 experts = self.moe.top_k if active else self.moe.num_experts
-                total += attn + experts * mlp + h * self.moe.num_experts + self.shared_params
+                total += (attn + experts * 3 * h * self.expert_ffn_size + h * self.moe.num_experts
+                          + self.shared_params)
             else:
                 total += attn + mlp
         return total

@@ -29,15 +29,18 @@ IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm); its weight is
-    replicated on every model-parallel rank, and its gradient summed over the ranks that see
-    different tokens (ep; tp too under sequence parallelism)."""
+    """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm) over the last dim;
+    its weight is replicated on every model-parallel rank, and its gradient summed over the ranks
+    that see different tokens (ep; tp too under sequence parallelism) or, as a per-head q/k norm
+    (``per_head``), different heads (ep and tp: tensor parallelism splits the heads)."""
 
-    def __init__(self, hidden_size: int, eps: float, groups: ParallelGroups | None = None):
+    def __init__(self, hidden_size: int, eps: float, groups: ParallelGroups | None = None,
+                 per_head: bool = False):
         super().__init__()
         self.groups = groups or ParallelGroups()
         self.weight = replicated(nn.Parameter(torch.ones(hidden_size)), groups)
-        sum_grad_over(self.weight, groups, "ep", *(("tp",) if self.groups.sequence_parallel else ()))
+        over_tp = per_head or self.groups.sequence_parallel
+        sum_grad_over(self.weight, groups, "ep", *(("tp",) if over_tp else ()))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +87,9 @@ class Attention(nn.Module):
     heads than tp ranks, each rank keeps the one kv head its query heads use); ``o_proj`` is row
     parallel, so the block's output is summed over tp once. Under sequence parallelism the input
     is this rank's (B, S/tp, H) shard: it is gathered once for q, k and v, and the output is
-    reduce-scattered back to a shard.
+    reduce-scattered back to a shard. Optional (Qwen): q/k/v biases, split with their output
+    rows, and a per-head RMSNorm on q and k before RoPE, whose (hd,) weights every tp rank holds
+    whole and applies to its own heads (gradient summed over tp; see ``RMSNorm``).
     """
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None):
@@ -95,15 +100,21 @@ class Attention(nn.Module):
         kv_heads, self.kv_select = kv_heads_for_rank(cfg.num_kv_heads, g)
         kv_rows = [h * hd + i for h in kv_heads for i in range(hd)]
         self.num_kv_heads = len(kv_heads)                              # kv heads held here
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, g)
-        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
-        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows)
+        bias = cfg.qkv_bias
+        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, g, bias=bias)
+        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows, bias=bias)
+        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows, bias=bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, g)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
         self.groups = g
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = column_parallel_linears(           # one gradient all-reduce for q, k and v
-            x, [p.weight for p in (self.q_proj, self.k_proj, self.v_proj)], self.groups)
+            x, [p.weight for p in projs], self.groups)
+        if self.q_proj.bias is not None:               # (nh*hd/tp,) ... this rank's rows
+            q, k, v = (t + p.bias for t, p in zip((q, k, v), projs))
         B, S, _ = q.shape                              # S: the whole sequence, also under SP
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
@@ -111,6 +122,8 @@ class Attention(nn.Module):
         if self.kv_select is not None:    # fewer kv heads than tp ranks: use ours
             k = k[:, self.kv_select:self.kv_select + 1]
             v = v[:, self.kv_select:self.kv_select + 1]
+        if self.q_norm is not None:                    # per head, over hd
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=k.shape[1] != self.num_heads)
@@ -145,7 +158,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.ffn_hidden_size, groups)
+            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.expert_ffn_size, groups)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.ffn_hidden_size, groups)
 
@@ -186,7 +199,7 @@ class Block(nn.Module):
 def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=None) -> None:
     """Normal(0, init_std) for every matrix; residual-output projections scaled by
     1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
-    with depth; norms at one. Each full tensor is drawn from (seed, name) and this rank keeps
+    with depth; norms (the q/k norms too) at one, biases at zero. Each full tensor is drawn from (seed, name) and this rank keeps
     its shard, so every layout starts from the same model; ``module`` may be any part of the
     model whose parameter names are the Transformer's (e.g. a pipeline stage's layer).
     ``write``: how a shard is stored, see ``model.parallel.layers.fill_from_full``."""
@@ -196,6 +209,8 @@ def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=Non
     def std_for(name: str) -> float | None:
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0                                                  # Normal(0, 0): zeros
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return out_std
         return std

@@ -31,13 +31,13 @@ def largest_draw(cfg: TransformerConfig, layout: Layout) -> int:
     (``model/parallel/layers.py``), so the full tensor plus, when tp/ep cut it, the shard copy.
     Candidates: the vocabulary rows, the query projection, an MLP projection, one stacked
     expert projection (E, H, I) and a shared-expert projection."""
-    h, f, tp = cfg.hidden_size, cfg.ffn_hidden_size, layout.tp
+    h, f, fe, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size, layout.tp
     q = cfg.num_heads * cfg.head_dim * h
     kinds = [(cfg.vocab_size * h, math.ceil(cfg.vocab_size / tp) * h), (q, q // tp),
              (h * f, h * (f // tp))]
     if cfg.moe is not None:
-        e, fs = cfg.moe.num_experts, cfg.moe.shared_ffn_size(f)
-        kinds += [(e * h * f, e // layout.ep * h * (f // tp)), (h * fs, h * (fs // tp))]
+        e, fs = cfg.moe.num_experts, cfg.moe.shared_ffn_size(fe)
+        kinds += [(e * h * fe, e // layout.ep * h * (fe // tp)), (h * fs, h * (fs // tp))]
     return max(full + (shard if shard < full else 0) for full, shard in kinds)
 
 

@@ -144,7 +144,7 @@ def _bandwidth(spec: GPUSpec, group_span: int, gpus_per_node: int) -> float:
 def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
     """Forward FLOPs per token that backward repeats: 2 x matmul params recomputed, plus the
     causal attention forward (2 h s) for recomputed attention."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
     attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     policy = CheckpointPolicy.parse(policy)
     whole = policy.whole_blocks(cfg.num_layers)
@@ -153,7 +153,7 @@ def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
         moe = cfg.is_moe_layer(i)
         ffn = 3 * h * f
         if moe:
-            ffn = cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts + cfg.shared_params
+            ffn = cfg.moe.top_k * 3 * h * fe + h * cfg.moe.num_experts + cfg.shared_params
         if i in whole:
             total += 2 * (attn + ffn) + 2 * h * seq_len
         elif policy.name == "attention":
@@ -161,7 +161,7 @@ def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
         elif policy.name == "moe" and moe:
             total += 2 * ffn
         elif policy.name == "experts" and moe:
-            total += 2 * cfg.moe.top_k * 3 * h * f
+            total += 2 * cfg.moe.top_k * 3 * h * fe
     return total
 
 

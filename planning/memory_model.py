@@ -58,8 +58,7 @@ class Layout:
 
 def model_state_bytes(psi: float, dp: int, stage: int, precision: str = "bf16",
                       offload_optimizer: bool = False, offload_params: bool = False,
-                      master_copy: bool | None = None,
-                      grads_partitioned: bool | None = None) -> dict[str, float]:
+                      master_copy: bool | None = None, grads_partitioned: bool | None = None) -> dict:
     """Per-rank bytes of parameters, gradients and Adam states for ``psi`` parameters.
 
     ZeRO paper (arXiv:1910.02054, section 3): mixed precision keeps 2 psi of 16-bit parameters,
@@ -103,9 +102,9 @@ def deepspeed_state_rules(stage: int, precision: str, accumulation: int, zero: d
       no-copy branch compares a ``torch.device`` with a ``str``, so it never runs. Stage 0 with
       fp32 hands the model's parameters to the torch optimizer (K = 8).
     - ZeRO-1 reduces gradients bucket by bucket during backward at the accumulation boundary
-      (hooks of ``stage_1_and_2.py:713``, ``:2293``): with ``gradient_accumulation_steps`` 1 a
-      rank never holds more than its gradient partition plus a bucket; with more, the full
-      16-bit gradients live between micro-batches, as in the paper.
+      (hooks of ``stage_1_and_2.py:713``, ``:2293``): at ``gradient_accumulation_steps`` 1 a rank
+      holds at most its gradient partition and a bucket; with more, the full 16-bit gradients
+      between micro-batches (as in the paper).
     """
     hooks = zero.get("contiguous_gradients", True) or zero.get("overlap_comm", stage == 3)
     return {"master_copy": True if stage >= 1 else precision != "fp32",
@@ -145,24 +144,25 @@ def stage_layers(cfg: TransformerConfig, pp: int, stage: int) -> range:
 def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict[str, int]:
     """Parameters one rank of pipeline stage ``stage`` holds before ZeRO partitioning.
 
-    TP shards query heads, kv heads (each rank keeps all kv heads when there are fewer than tp),
-    MLP, expert and shared-expert inner sizes, and the vocabulary; norms, the router and the
-    shared experts' gate are replicated. EP splits the routed experts. Stage 0 holds the
-    embedding; the last stage the final norm and the output head (a tied head is a second copy
-    there when pp > 1). ``largest_module``: the most parameters one module owns directly (what
-    ZeRO-3 gathers at once)."""
-    h, hd, f, tp = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, layout.tp
+    TP shards query heads, kv heads (all kv heads on each rank when fewer than tp) with their
+    biases, MLP, expert and shared-expert inner sizes, and the vocabulary; norms (q/k norms too),
+    the router and the shared experts' gate are replicated. EP splits the routed experts. Stage 0
+    holds the embedding; the last stage the final norm and the output head (a tied head is a
+    second copy there when pp > 1). ``largest_module``: the most parameters one module owns
+    directly (what ZeRO-3 gathers at once)."""
+    h, hd, f, fe, tp = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.expert_ffn_size, layout.tp
     kv_local = cfg.num_kv_heads // tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
     q = h * (cfg.num_heads // tp) * hd
-    attn = 2 * q + 2 * h * kv_local * hd + 2 * h                      # q, o, k, v, two norms
+    attn = (2 * q + 2 * h * kv_local * hd + 2 * h                     # q, o, k, v, two norms
+            + (cfg.num_heads // tp + 2 * kv_local) * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm)
     vocab = math.ceil(cfg.vocab_size / tp) * h
     expert = other = 0
     largest = q
     for i in stage_layers(cfg, layout.pp, stage):
         other += attn
         if cfg.is_moe_layer(i):
-            experts = cfg.moe.num_experts // layout.ep * 3 * h * (f // tp)
-            shared = h * (cfg.moe.shared_ffn_size(f) // tp)            # one shared projection
+            experts = cfg.moe.num_experts // layout.ep * 3 * h * (fe // tp)
+            shared = h * (cfg.moe.shared_ffn_size(fe) // tp)           # one shared projection
             expert += experts
             other += cfg.moe.num_experts * h + 3 * shared + (h if cfg.moe.shared_expert_gate else 0)
             largest = max(largest, experts, shared)
@@ -213,8 +213,8 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     Per token (checked tensor by tensor against ``saved_tensors_hooks`` in the tests):
     - ``norm1``, ``norm2``: see ``norm_bytes``.
     - ``attention``: q and k after RoPE (a h/tp, a kv hd), v (a kv hd), SDPA's output (a h/tp;
-      ``o_proj`` saves a view of it) and logsumexp (4 per local head), as flash/efficient SDPA
-      keep them; RoPE keeps only its shared (S, hd) tables.
+      ``o_proj`` saves a view of it) and logsumexp (4 per local head), as flash/efficient SDPA keep
+      them; RoPE keeps only its shared (S, hd) tables; q/k norms: ``norm_bytes`` per head.
     - ``mlp``: gate output (silu's input), silu output, up output, their product: 4 a F/tp.
     - MoE (fp32 router): ``router`` = input copy (4h, unless the model is fp32), logits and
       probabilities (4E each), top-k indices (8k), top-k weights and their sum (4k + 4), the
@@ -226,13 +226,14 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     TP shards heads and inner sizes; sequence parallelism splits the norms (``norm_bytes``) but
     not the router or the dispatched rows: every tp rank routes the gathered tokens.
     """
-    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
+    h, hd, f, fe = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.expert_ffn_size
     heads = cfg.num_heads / tp
     kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
     kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+    qk_norm = cfg.qk_norm * (heads + kv_used) * (norm_bytes(hd, a) - a * hd)   # not the product
     out = {"norm1": tokens * norm_bytes(h, a, tp, sp),
            "norm2": tokens * norm_bytes(h, a, tp, sp, moe_input=cfg.is_moe_layer(layer)),
-           "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads)}
+           "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads + qk_norm)}
     if not cfg.is_moe_layer(layer):
         out["mlp"] = tokens * 4 * a * f / tp
         return out
@@ -241,9 +242,9 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     out["router"] = (tokens * ((FP32 * h if a != FP32 else 0) + 2 * FP32 * e + INT64 * k
                                + FP32 * k + 2 * FP32) + (FP32 * e * h if a != FP32 else 0))
     out["dispatch"] = rows * (2 * INT64 + a * h)
-    out["experts"] = rows * 4 * a * f / tp
+    out["experts"] = rows * 4 * a * fe / tp
     out["combine"] = rows * (2 * a * h + a)
-    fs = moe.shared_ffn_size(f)
+    fs = moe.shared_ffn_size(fe)
     if fs:
         out["shared"] = tokens * (4 * a * fs / tp + (a * h if a != FP32 else 0)
                                   + ((a * h + a) if moe.shared_expert_gate else 0))
@@ -324,9 +325,9 @@ def optimizer_temporaries(ds: dict, on_gpu: bool = True) -> int:
 
     torch's Adam and AdamW (``"torch_adam": true``, which DeepSpeed hands each flat group) compute
     ``exp_avg_sq.sqrt()`` into a new tensor: the foreach implementation, torch's default on a GPU,
-    holds one such copy of the group (``_multi_tensor_adam``); the single-tensor one, its CPU
-    path, also holds the quotient by the bias correction at the same time (two). DeepSpeed's
-    fused Adam (``torch_adam`` false on a GPU) works in place. Other optimizers are not modeled.
+    holds one such copy of the group (``_multi_tensor_adam``); the single-tensor one, its CPU path,
+    also holds the quotient by the bias correction at the same time (two). DeepSpeed's fused Adam
+    (``torch_adam`` false on a GPU) works in place. Other optimizers are not modeled.
     """
     opt = ds.get("optimizer") or {}
     if opt.get("type", "").lower() not in ("adam", "adamw"):
@@ -340,22 +341,21 @@ def buffer_bytes(zero: dict, stage: int, a: int, psi_local: float, largest_modul
                  dp: int, a2a_bytes: float = 0.0, optimizer_copies: int = 0) -> dict[str, float]:
     """Communication and staging buffers (bytes) next to the model states.
 
-    - ZeRO-1/2 with ``contiguous_gradients``: one ``reduce_bucket_size`` gradient bucket, two
-      with ``overlap_comm`` (``stage_1_and_2.py:3263-3278``). The post-step all-gather
+    - ZeRO-1/2 with ``contiguous_gradients``: one ``reduce_bucket_size`` gradient bucket, two with
+      ``overlap_comm`` (``stage_1_and_2.py:3263-3278``). The post-step all-gather
       (``allgather_bucket_size``) writes into the flat parameter buffer in place
       (``runtime/utils.py`` ``all_gather_dp_groups``): nothing extra.
     - ZeRO-3: the ``reduce_bucket_size`` bucket (``stage3.py:782``) and, while it is reduced, its
       flat copy (``reduce_scatter_coalesced`` concatenates the bucket's gradients, padded to the
       partitions, and reduce-scatters that); gathered parameters, the largest module plus the
-      prefetch (``stage3_prefetch_bucket_size``, capped by ``stage3_max_live_parameters``), and
-      the full 16-bit gradient of that module before its reduce-scatter (DeepSpeed's own
-      estimator counts 4 bytes x largest layer for both).
+      prefetch (``stage3_prefetch_bucket_size``, capped by ``stage3_max_live_parameters``), and the
+      full 16-bit gradient of that module before its reduce-scatter (DeepSpeed's own estimator
+      counts 4 bytes x largest layer for both).
     - EP: the all-to-all send and receive buffers of one MoE layer, 2 k T h a.
     - ``optimizer_step``: at the step, after the activations are freed: the fp32 copy of the
       gradient partition (ZeRO-1/2 mixed precision, 4 psi/dp) or of one ``sub_group_size``
-      sub-group (ZeRO-3), plus ``optimizer_copies`` fp32 copies of that group, the optimizer's
-      own temporaries (``optimizer_temporaries``); none on the GPU when the optimizer is
-      offloaded.
+      sub-group (ZeRO-3), plus ``optimizer_copies`` fp32 copies of that group, the optimizer's own
+      temporaries (``optimizer_temporaries``); none on the GPU when the optimizer is offloaded.
     """
     z = {**ZERO_DEFAULTS, **zero}
     bucket = min(z["reduce_bucket_size"], psi_local) * a

@@ -32,7 +32,7 @@ TOPIC_PAGES = [
     "pipeline-parallelism", "zero-and-fsdp", "activation-checkpointing", "mixed-precision",
     "communication", "checkpoints", "lr-schedules", "batch-size-and-lamb", "weight-decay",
     "accumulation", "stability", "hyperparameters", "dense-vs-sparse", "routers-and-top-k",
-    "load-balancing", "expert-parallelism", "switch", "mixtral"]
+    "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe"]
 DOCS = sorted([REPO / "README.md", REPO / "ds_configs" / "README.md",
                REPO / "benchmarks" / "README.md", *(REPO / "docs").glob("*.md")])
 # Example paths a reader substitutes with their own: commands naming them are parsed, not run.

@@ -46,13 +46,13 @@ def detect_gpu(device_name: str) -> GPUSpec | None:
 def matmul_params_per_token(cfg: TransformerConfig) -> int:
     """Matmul parameters a token passes through: attention, the MLP or the k routed experts plus
     the router and any shared experts, and the output head (not the input embedding, a lookup)."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
     attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
     total = cfg.vocab_size * h            # output head
     for i in range(cfg.num_layers):
         total += attn
         if cfg.is_moe_layer(i):
-            total += cfg.moe.top_k * 3 * h * f + h * cfg.moe.num_experts + cfg.shared_params
+            total += cfg.moe.top_k * 3 * h * fe + h * cfg.moe.num_experts + cfg.shared_params
         else:
             total += 3 * h * f
     return total

@@ -144,7 +144,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         g = self.groups = groups or ParallelGroups()
         self.expert_ids = local_experts(num_experts, g)
-        check_tp_divides("model.ffn_hidden_size", ffn_hidden_size, g.tp)
+        check_tp_divides("expert inner size (model.moe.expert_ffn_hidden_size, else "
+                         "model.ffn_hidden_size)", ffn_hidden_size, g.tp)
         self.num_experts = len(self.expert_ids)
         inner = even_slice(ffn_hidden_size, g.tp, g.tp_rank)
         sharded = tuple(a for a, n in (("tp", g.tp), ("ep", g.ep)) if n > 1)

@@ -97,7 +97,10 @@ def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str
         if size % tp:
             out.append(f"parallel.tensor_parallel_size ({tp}) does not divide model.{name} "
                        f"({size}): choose a divisor of {size}")
-    shared = m.moe.shared_ffn_size(m.ffn_hidden_size) if m.moe is not None else 0
+    if m.moe is not None and m.moe.expert_ffn_hidden_size and m.expert_ffn_size % tp:
+        out.append(f"parallel.tensor_parallel_size ({tp}) does not divide "
+                   f"model.moe.expert_ffn_hidden_size ({m.expert_ffn_size}): choose a divisor")
+    shared = m.moe.shared_ffn_size(m.expert_ffn_size) if m.moe is not None else 0
     if shared % tp:
         out.append(f"parallel.tensor_parallel_size ({tp}) does not divide the shared experts' "
                    f"inner size ({shared}): set model.moe.shared_expert_ffn_hidden_size to a "

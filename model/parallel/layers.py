@@ -113,19 +113,22 @@ def _sizes(groups):
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T`` with W's output rows split over the tp group (no bias).
+    """``y = x W^T (+ b)`` with W's output rows (and b's entries) split over the tp group.
 
     The input is replicated over tp (its gradient is summed there); the output stays sharded
     along its last dim. Weights replicated over ep (and over tp when every tp rank holds all rows)
-    declare it (``sum_grad_over``): ``ReplicaGradSync`` sums their gradient there.
+    declare it (``sum_grad_over``): ``ReplicaGradSync`` sums their gradient there. The bias is
+    cut and summed as the weight's rows.
 
     Args:
         in_features, out_features: full sizes.
         groups: process groups (None: single process).
         out_index: optional explicit output rows this rank holds (e.g. replicated KV heads).
+        bias: add a bias (Qwen's q/k/v projections); zeros at init.
     """
 
-    def __init__(self, in_features: int, out_features: int, groups=None, out_index=None):
+    def __init__(self, in_features: int, out_features: int, groups=None, out_index=None,
+                 bias: bool = False):
         super().__init__()
         g, tp, rank = _sizes(groups)
         self.groups = g
@@ -138,11 +141,18 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(len(out_index), in_features))
         sharded = ("tp",) if len(out_index) < out_features else ()
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
-        sum_grad_over(self.weight, g, "ep", *(("tp",) if self.replicated_over_tp else ()))
+        over = ("ep", *(("tp",) if self.replicated_over_tp else ()))
+        sum_grad_over(self.weight, g, *over)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(len(out_index)))
+            shard_param(self.bias, g, (out_features,), [(0, out_index)], sharded)
+            sum_grad_over(self.bias, g, *over)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Layers that share an input go through ``column_parallel_linears`` together."""
-        return column_parallel_linears(x, (self.weight,), self.groups)[0]
+        y = column_parallel_linears(x, (self.weight,), self.groups)[0]
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -245,7 +255,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, groups=None,
 
 def draw_full(name: str, full_shape: tuple, std: float | None, seed: int) -> torch.Tensor:
     """The full fp32 tensor of parameter ``name``: ones when ``std`` is None (norm weights), else
-    Normal(0, std) from a generator seeded by (seed, name), the same on every rank."""
+    Normal(0, std) (zeros for std 0: biases) from a generator seeded by (seed, name), the same on every rank."""
     if std is None:
         return torch.ones(full_shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

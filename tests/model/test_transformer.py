@@ -83,6 +83,13 @@ def test_tied_embeddings_share_one_matrix():
     (dict(vocab_size=0), r"model\.vocab_size \(0\) must be an integer >= 1"),
     (dict(moe=MoEConfig(num_experts=2, top_k=3)), r"model\.moe\.top_k \(3\) exceeds model\.moe\.num_experts \(2\)"),
     (dict(moe=MoEConfig(capacity_factor=-1.0)), r"model\.moe\.capacity_factor \(-1\.0\) must be > 0"),
+    (dict(moe=MoEConfig(first_k_dense=-1)), r"model\.moe\.first_k_dense \(-1\) must be an integer >= 0"),
+    (dict(moe=MoEConfig(first_k_dense=4)), r"model\.moe\.first_k_dense \(4\) leaves no MoE block .*"
+                                           r"lower first_k_dense"),
+    (dict(moe=MoEConfig(expert_ffn_hidden_size=0)), r"model\.moe\.expert_ffn_hidden_size \(0\) must be an "
+                                                    r"integer >= 1 or null"),
+    (dict(attn_head_dim=0), r"model\.attn_head_dim \(0\) must be an integer >= 1 or null"),
+    (dict(attn_head_dim=7), r"head width \(7: model\.attn_head_dim.*must be even for RoPE"),
 ])
 def test_config_errors_name_field_value_and_fix(change, message):
     with pytest.raises(ValueError, match=message):
@@ -99,3 +106,33 @@ def test_config_round_trip_and_param_counts():
     assert abs(big.num_params(active=True) / 12.9e9 - 1) < 0.01
     with pytest.raises(ValueError, match="unknown key model.hiden_size"):
         config_from_dict({**cfg.to_dict(), "hiden_size": 3})
+
+
+def test_qwen_and_deepseek_options_build_count_and_init():
+    """qk_norm, qkv_bias, a head width apart from hidden/heads, narrower experts and dense first
+    blocks: the one is_moe_layer rule, the parameter count, and the init (norms 1, biases 0)."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_hidden_size=16, first_k_dense=1,
+                    moe_layer_freq=2, num_shared_experts=1)
+    cfg = MixtralConfig(**{**SIZES, "num_layers": 4}, attn_head_dim=16, qk_norm=True, qkv_bias=True,
+                        moe=moe).validate()
+    assert config_from_dict(cfg.to_dict()) == cfg
+    # Block i is MoE when i >= first_k_dense and (i + 1) % moe_layer_freq == 0: blocks 1 and 3.
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    model = Transformer(cfg)
+    assert [layer.is_moe for layer in model.layers] == [False, True, False, True]
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    attn = model.layers[1].self_attn
+    assert attn.q_proj.weight.shape == (cfg.num_heads * 16, cfg.hidden_size)
+    assert attn.q_norm.weight.shape == (16,) and attn.k_proj.bias.shape == (cfg.num_kv_heads * 16,)
+    assert model.layers[1].mlp.experts.gate_proj.shape == (4, cfg.hidden_size, 16)
+    assert model.layers[1].mlp.shared_experts.gate_proj.weight.shape == (16, cfg.hidden_size)
+    assert model.layers[0].mlp.gate_proj.weight.shape == (cfg.ffn_hidden_size, cfg.hidden_size)
+    for name, p in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert torch.equal(p, torch.ones_like(p)), name
+        if name.endswith(".bias"):
+            assert torch.equal(p, torch.zeros_like(p)), name
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert attn.q_norm.weight.grad.abs().sum() > 0 and attn.v_proj.bias.grad.abs().sum() > 0

@@ -40,7 +40,28 @@ def _configs():
             num_experts=8, top_k=2, score_function="sigmoid", n_group=4, topk_group=2,
             routed_scaling_factor=2.5, expert_bias_update_rate=1e-3, num_shared_experts=2,
             shared_expert_gate=True, **moe)).validate(),
+        # Qwen3-MoE-style: per-head q/k norms, heads wider than hidden/heads (16, not 8),
+        # fine-grained experts (inner 16) after one dense block.
+        "qwen3": MixtralConfig(**SIZES, attn_head_dim=16, qk_norm=True, moe=MoEConfig(
+            num_experts=8, top_k=4, expert_ffn_hidden_size=16, first_k_dense=1, **moe)).validate(),
+        # Qwen2-MoE-style: q/k/v biases with one kv head (held whole by both tp ranks, so its
+        # k/v bias gradient is summed over tp) and a gated shared expert.
+        "qwen2": MixtralConfig(**{**SIZES, "num_kv_heads": 1}, qkv_bias=True, moe=MoEConfig(
+            num_experts=4, top_k=2, normalize_top_k=False, num_shared_experts=1,
+            shared_expert_gate=True, **moe)).validate(),
     }
+
+
+def _set_qwen_extras(ref, par) -> None:
+    """Non-trivial q/k/v biases and q/k norm weights (init makes them 0 and 1): the reference's
+    full tensor and this rank's shard of it, so init parity still holds."""
+    ref_params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, p in par.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                full = ref_params[name]
+                full.copy_(1.0 + torch.linspace(-0.5, 0.5, full.numel()).view(full.shape))
+                p.copy_(take_shard(full, p.shard_spec))
 
 
 def _set_expert_bias(model) -> None:
@@ -76,6 +97,7 @@ def _check(cfg, groups, tag, checkpointing="none", seed=None):
     ref = Transformer(cfg, None, init_seed=7)
     par = Transformer(cfg, groups, init_seed=7)
     _set_expert_bias(ref), _set_expert_bias(par)
+    _set_qwen_extras(ref, par)
     par.set_activation_checkpointing(checkpointing)    # recompute re-issues the collectives
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():               # init parity at this layout
@@ -128,6 +150,8 @@ def _two_ranks(rank, world):
     _check(cfgs["dense_tied_1kv"], ep2, "ep2/dense-tied")     # one gradient sum, two uses
     _check(cfgs["deepseek"], ep2, "ep2/deepseek")
     _check(cfgs["deepseek"], ep2, "ep2/deepseek/moe-checkpointing", "moe")
+    _check(cfgs["qwen3"], ep2, "ep2/qwen3")
+    _check(cfgs["qwen2"], ep2, "ep2/qwen2")
     rr = build_groups(ep=2, expert_placement="round_robin")
     _check(cfgs["mixtral"], rr, "ep2-round-robin/mixtral")
     # Each ep rank holds different experts; placements differ as documented.
@@ -180,6 +204,7 @@ def _four_ranks(rank, world):
     sp = build_groups(tp=2, ep=2, sequence_parallel=True)
     _check(cfgs["mixtral"], sp, "tp2xep2-sp/mixtral")
     _check(cfgs["deepseek"], sp, "tp2xep2-sp/deepseek")
+    _check(cfgs["qwen3"], sp, "tp2xep2-sp/qwen3")
     _check(cfgs["switch"], sp, "tp2xep2-sp/switch")
     # Rank-as-data: group sums of the rank ids name the members.
     def total(group):

@@ -15,9 +15,11 @@ from training.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, reci
 from model.config import DenseConfig, MixtralConfig, SwitchConfig
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
-TINY = ("tiny_dense.yaml", "tiny_switch.yaml", "tiny_mixtral.yaml")
+TINY = ("tiny_dense.yaml", "tiny_switch.yaml", "tiny_mixtral.yaml", "tiny_qwen3_moe.yaml",
+        "tiny_deepseek_moe.yaml")
 EXPECTED = {*TINY, "dense_125m.yaml", "dense_1p3b.yaml", "dense_7b.yaml", "switch_base_8.yaml",
-            "switch_base_128.yaml", "mixtral_8x7b.yaml", "mixtral_8x22b.yaml"}
+            "switch_base_128.yaml", "mixtral_8x7b.yaml", "mixtral_8x22b.yaml", "qwen3_30b_a3b.yaml",
+            "deepseek_v3_style.yaml"}
 MULTINODE_SCRIPTS = ("launch/multinode_hostfile.sh", "launch/slurm_8x8.sbatch")
 
 
@@ -86,6 +88,7 @@ PUBLISHED = [
     ("dense_7b.yaml", 6.74e9, 6.74e9, 0.01),
     ("mixtral_8x7b.yaml", 46.7e9, 12.9e9, 0.01),
     ("mixtral_8x22b.yaml", 141e9, 39e9, 0.01),
+    ("qwen3_30b_a3b.yaml", 30.5e9, 3.3e9, 0.02),       # Qwen3 model card: 30.5B / 3.3B
 ]
 
 
@@ -100,6 +103,8 @@ def test_exact_hf_parameter_counts():
     # The sums of the tensors in the HF checkpoints of these architectures.
     assert load_recipe(REPO_ROOT / "recipes/dense_7b.yaml").model.num_params() == 6_738_415_616
     assert load_recipe(REPO_ROOT / "recipes/mixtral_8x7b.yaml").model.num_params() == 46_702_792_704
+    # Qwen3-30B-A3B: q/k norms (2 x 128 per block) and head_dim 128 included.
+    assert load_recipe(REPO_ROOT / "recipes/qwen3_30b_a3b.yaml").model.num_params() == 30_532_122_624
 
 
 @pytest.mark.parametrize("name,experts", [("switch_base_8.yaml", 8), ("switch_base_128.yaml", 128)])
