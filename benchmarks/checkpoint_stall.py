@@ -2,6 +2,7 @@
 default) against DeepSpeed's own ``save_checkpoint`` writing every file in the loop.
 
     python benchmarks/checkpoint_stall.py                 # CPU: 2 gloo ranks, tiny Mixtral at hidden 512
+    python benchmarks/checkpoint_stall.py --size tiny     # the tiny recipe as it is
     python benchmarks/checkpoint_stall.py --nproc 8 --config ds_configs/zero3.json --set model.hidden_size=2048
 
 Runs ``launch/train.py`` twice with the same recipe, DeepSpeed JSON and seed, saving every
@@ -26,15 +27,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WIDE = ["model.hidden_size=512", "model.num_heads=8", "model.num_kv_heads=4",
-        "model.ffn_hidden_size=512", "model.num_layers=4", "eval.every=0", "train.log_every=5"]
+SIZES = {"tiny": [], "mid": ["model.hidden_size=512", "model.num_heads=8", "model.num_kv_heads=4",
+                             "model.ffn_hidden_size=512", "model.num_layers=4"]}
 
 
 def run(args, background: bool, run_dir: Path) -> dict:
     prefix = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
               if args.nproc > 1 else [sys.executable])
     cmd = prefix + ["launch/train.py", "--config", args.config, "--recipe", args.recipe,
-                    "--run-dir", str(run_dir), "--steps", str(args.steps), "--set", *WIDE,
+                    "--run-dir", str(run_dir), "--steps", str(args.steps), "--set", *SIZES[args.size],
+                    "eval.every=0", "train.log_every=5",
                     f"train.save_every={args.save_every}", "train.keep_last=2",
                     f"train.async_save={str(background).lower()}", *args.set]
     t0 = time.perf_counter()
@@ -54,6 +56,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="ds_configs/zero3_fp32.json")
     p.add_argument("--recipe", default="recipes/tiny_mixtral.yaml")
+    p.add_argument("--size", choices=sorted(SIZES), default="mid",
+                   help="tiny: the recipe as is; mid: hidden 512, 4 layers (a few hundred MB)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=21)
     p.add_argument("--save-every", type=int, default=4)
@@ -68,7 +72,7 @@ def main() -> int:
     if results["loop"]["losses"] != results["background"]["losses"]:
         print("FAIL: the two runs' losses differ", file=sys.stderr)
         return 1
-    print(f"{args.nproc} ranks, {args.config}, checkpoint {results['loop']['bytes'] / 1e6:.1f} MB, "
+    print(f"{args.size}: {args.nproc} ranks, {args.config}, checkpoint {results['loop']['bytes'] / 1e6:.1f} MB, "
           f"a save every {args.save_every} of {args.steps} steps\n")
     print("| saves written | median stall per save (s) | max stall (s) | median step (s) | run wall (s) |")
     print("|---|---|---|---|---|")

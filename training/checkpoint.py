@@ -59,10 +59,18 @@ def candidates(ckpt_dir: Path) -> list[str]:
 
 def _verified_tag(engine, ckpt_dir: Path) -> str | None:
     """The first of ``candidates`` whose files match its manifest (the same tag on every rank),
-    or None when there is no checkpoint. Skipped candidates are one warning line on rank 0;
+    or None when there is no checkpoint (or only folders of saves never published). Skipped candidates are one warning line on rank 0;
     ValueError (one line) when there are candidates but none verifies."""
     tags = candidates(ckpt_dir)
     if not tags:
+        return None
+    if not (Path(ckpt_dir) / LATEST).is_file() and not any(
+            (Path(ckpt_dir) / t / manifest.MANIFEST).is_file() for t in tags):
+        # No save was ever published: the folders are saves a kill cut short (a background
+        # save's writers run for a while), not checkpoints. Start from step 0, and say so.
+        if engine.global_rank == 0:
+            print(f"warning: {ckpt_dir} holds only unfinished saves ({', '.join(tags)}: no "
+                  f"manifest, never published); starting from step 0", file=sys.stderr, flush=True)
         return None
     device = next(engine.module.parameters()).device
     skipped = []

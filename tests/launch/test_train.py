@@ -128,21 +128,31 @@ def test_accumulation_is_exact(tmp_path):
         assert b["tokens"] == a["tokens"]
 
 
-def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_path):
-    run_dir = tmp_path / "killed"
-    args = ["train.save_every=3"]
-    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False), run_dir, 8)
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000006"
+@pytest.mark.parametrize("kill_at", [4, 8])
+def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_path, kill_at):
+    """SIGKILL once step ``kill_at`` is logged; checkpoints every 3 steps, written in the
+    background, so the newest save may still be in flight (unpublished) when the kill comes.
+    The same command resumes from ``latest`` (or, killed before any save was published, starts
+    over with one warning about the unfinished folder) and reproduces the uninterrupted run."""
+    run_dir = tmp_path / f"killed-{kill_at}"
+    ckpt, args = run_dir / "checkpoints", ["train.save_every=3"]
+    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False), run_dir,
+                    kill_at)
+    tag = (ckpt / "latest").read_text().strip() if (ckpt / "latest").is_file() else None
+    unfinished = tag is None and (ckpt / "step00000003").exists()
+    newest = kill_at // 3 * 3                        # the newest save started before the kill
+    assert tag in {f"step{newest:08d}", f"step{newest - 3:08d}" if newest > 3 else None}, tag
     launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
-    log = (tmp_path / "killed.log").read_text()
-    assert "resumed from" in log and "step00000006" in log
+    log = (tmp_path / f"killed-{kill_at}.log").read_text()
+    assert (f"resumed from {ckpt / tag}" in log if tag else "resumed from" not in log and
+            ("holds only unfinished saves" in log) == unfinished), log[-3000:]
     resumed, ref = rows(run_dir), rows(zero_runs[3])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))   # no duplicate rows
     for a, b in zip(ref, resumed, strict=True):
         # Same process count, same reduction order: a resumed fp32 run is bit-for-bit the same
         # computation; 1e-6 allows only checkpoint-format rounding, of which there is none.
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
-    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    kept = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
     assert kept == ["step00000006", "step00000009", "step00000010"]      # keep_last 3
 
 

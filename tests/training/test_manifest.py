@@ -103,6 +103,31 @@ def test_resume_candidates_and_pruning(tmp_path):
     assert checkpoint.candidates(tmp_path / "none") == []
 
 
+def test_only_unfinished_saves_start_from_step_0_with_one_warning(tmp_path, capsys):
+    """Folders of saves never published (no manifest anywhere, no ``latest``: a kill during the
+    first background save) are not checkpoints: the resume starts over and says so. With a
+    ``latest`` pointer, or a manifest in any folder, the same folders go through verification
+    (``test_train.py`` covers the refusal when none verifies)."""
+    class Rank0:
+        global_rank = 0
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step00000003").mkdir(parents=True)
+    (ckpt / "step00000003" / "mp_rank_00_model_states.pt").write_bytes(b"cut")
+    assert checkpoint._verified_tag(Rank0(), ckpt) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {ckpt} holds only unfinished saves (step00000003: no manifest, never "
+                   f"published); starting from step 0"]
+    (ckpt / "latest").write_text("step00000003")
+
+    class Unverifiable(Rank0):
+        module = torch.nn.Linear(1, 1)
+        world_size = 1
+
+    with pytest.raises(ValueError, match="no checkpoint in .* verifies"):
+        checkpoint._verified_tag(Unverifiable(), ckpt)
+
+
 def test_checksum_throughput(tmp_path):
     """Prints the hashing speed docs/checkpoints.md quotes; the bound only catches a pathology
     (e.g. reading byte by byte), it is over 15x below what 2 shared cores gave."""
