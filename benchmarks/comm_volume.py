@@ -312,7 +312,7 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
             else:
                 y, aux = model.layers[0](x, rope)
             auxes = [aux] if aux is not None else []
-            loss = (y * dy).sum() + sum(cfg.moe.aux_loss_coef * load_balancing_losses([a], groups.ep_group)[0]
+            loss = (y * dy).sum() + sum(cfg.moe.aux_loss_coef * load_balancing_losses([a], groups)[0]
                                         for a in auxes)
         else:
             out = model(ids, labels)

@@ -49,6 +49,8 @@ class MoEConfig:
     """Equal groups the experts are split into for group-limited routing; 1 = no groups."""
     topk_group: int = 1
     """Groups each token may use, the best by the sum of each group's top-2 scores (with n_group > 1)."""
+    balance_over: Literal["micro_batch", "global_batch"] = "micro_batch"
+    """Tokens the load-balancing loss counts: each micro-batch's (over ep), or every data-parallel rank's too."""
     expert_bias_update_rate: float = 0.0
     """Loss-free balancing: after each step bias_i += rate * sign(mean load - load_i); 0 = off."""
     num_shared_experts: int = 0
@@ -57,6 +59,10 @@ class MoEConfig:
     """Inner size of that shared FFN; null = num_shared_experts x the routed experts' inner size."""
     shared_expert_gate: bool = False
     """Scale the shared FFN's output per token by sigmoid(x @ w_gate) (Qwen2-MoE)."""
+
+    @property
+    def global_balance(self) -> bool:
+        return self.balance_over == "global_batch"
 
     @property
     def expert_bias(self) -> bool:
@@ -99,6 +105,8 @@ class MoEConfig:
         self._validate_shared(prefix)
 
     def _validate_routing(self, prefix: str) -> None:
+        if self.balance_over not in ("micro_batch", "global_batch"):
+            raise ValueError(f"{prefix}.balance_over ({self.balance_over!r}) must be micro_batch or global_batch")
         if self.score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"{prefix}.score_function ({self.score_function!r}) must be softmax or sigmoid")
         if not 0 < self.routed_scaling_factor < math.inf:

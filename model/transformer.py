@@ -344,7 +344,7 @@ class Transformer(nn.Module):
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the
             # micro-batch's values (see MoEAux).
-            out.aux_loss = load_balancing_losses(moe_aux, self.groups.ep_group).mean()
+            out.aux_loss = load_balancing_losses(moe_aux, self.groups, self.cfg.moe.global_balance).mean()
             out.z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         if labels is not None:
             head = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -133,7 +133,7 @@ class BlockPipe(nn.Module):
         else:
             x, aux = self.block(x, rope)
         if aux is not None:
-            balance = load_balancing_losses([aux], self.groups.ep_group)[0]
+            balance = load_balancing_losses([aux], self.groups, self.block.mlp.moe.global_balance)[0]
             aux_sum = aux_sum + balance
             z_sum = z_sum + aux.z_loss
             self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,

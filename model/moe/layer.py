@@ -195,17 +195,24 @@ class MoELayer(nn.Module):
         return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group)    # (N, H)
 
 
-def load_balancing_losses(auxes: list[MoEAux], ep_group=None) -> torch.Tensor:
+def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = None,
+                          global_batch: bool = False) -> torch.Tensor:
     """(L,) this rank's share of each MoE layer's load-balancing loss (``losses.
     load_balancing_loss``), summing over the ep group to the micro-batch's loss.
 
     The loss weighs each expert's mean probability by its routed count over the whole
     micro-batch. The counts carry no gradient, so the layers' counts are summed over the ep group
     here, after the forward, in one all-reduce per micro-batch rather than one per layer (and
-    none is repeated when backward recomputes a checkpointed layer).
+    none is repeated when backward recomputes a checkpointed layer). With ``global_batch``
+    (``MoEConfig.balance_over``) the same one all-reduce runs over the batch group (dp x ep) and
+    the sum is divided by dp: each expert's share of the micro-batches of every data-parallel rank
+    (Qwen's global-batch balancing), which lets a rank's micro-batch be unbalanced where the
+    step is not.
     """
+    groups = groups or ParallelGroups()
+    group, replicas = (groups.batch_group, groups.dp) if global_batch else (groups.ep_group, 1)
     counts = torch.stack([a.tokens_per_expert for a in auxes])              # (L, E) this rank's
-    counts = comm.all_reduce_sum(counts, ep_group).to(auxes[0].mean_prob.dtype)  # micro-batch's
+    counts = comm.all_reduce_sum(counts, group).to(auxes[0].mean_prob.dtype) / replicas
     return torch.stack([a.balance_scale * (c * a.mean_prob).sum() for a, c in zip(auxes, counts)])
 
 
