@@ -5,8 +5,10 @@ Launch:   python benchmarks/comm_volume.py                                  # de
           python benchmarks/comm_volume.py --batch 8 --seq 64 --hidden 128 --json comm.json
 
 Layouts: TP2 dense (kv heads >= tp), TP2 dense with 1 kv head (replicated over tp), TP2 Mixtral,
-the TP2 dense and Mixtral again with sequence parallelism, and EP2 Mixtral (dropless, top-2); scopes: one transformer block (input requiring grad, as inside a
-model) and a whole ``--layers``-layer model with its loss. While a step runs, the
+the TP2 dense and Mixtral again with sequence parallelism, and EP2 Mixtral (dropless, top-2),
+also with the expert exchange in bf16 and in fp8 (``model.moe.dispatch_dtype``: the same elements,
+fewer bytes; an fp8 row carries 4 more bytes, its scale); scopes: one transformer block (input
+requiring grad, as inside a model) and a whole ``--layers``-layer model with its loss. While a step runs, the
 ``torch.distributed`` collectives that ``model/parallel/`` calls are wrapped to record (op, phase,
 elements, bytes), and the ``comm`` helpers are wrapped only to name the call site (module, and for
 the expert exchange dispatch or combine); nothing else changes.
@@ -101,21 +103,25 @@ class Sizes:
     activation_checkpointing: str = "none"   # Transformer.set_activation_checkpointing policy
 
 
-# name, tp, ep, family, kv heads (None: Sizes.kv_heads), sequence parallelism
-LAYOUTS = (("tp2/dense", 2, 1, "dense", None, False), ("tp2/dense-kv1", 2, 1, "dense", 1, False),
-           ("tp2/mixtral", 2, 1, "mixtral", None, False),
-           ("tp2-sp/dense", 2, 1, "dense", None, True), ("tp2-sp/mixtral", 2, 1, "mixtral", None, True),
-           ("ep2/mixtral", 1, 2, "mixtral", None, False))
+# name, tp, ep, family, kv heads (None: Sizes.kv_heads), sequence parallelism, dispatch dtype
+LAYOUTS = (("tp2/dense", 2, 1, "dense", None, False, None),
+           ("tp2/dense-kv1", 2, 1, "dense", 1, False, None),
+           ("tp2/mixtral", 2, 1, "mixtral", None, False, None),
+           ("tp2-sp/dense", 2, 1, "dense", None, True, None),
+           ("tp2-sp/mixtral", 2, 1, "mixtral", None, True, None),
+           ("ep2/mixtral", 1, 2, "mixtral", None, False, None),
+           ("ep2-bf16/mixtral", 1, 2, "mixtral", None, False, "bf16"),
+           ("ep2-fp8/mixtral", 1, 2, "mixtral", None, False, "fp8"))
 
 
-def _config(family: str, s: Sizes, kv_heads: int | None, layers: int):
+def _config(family: str, s: Sizes, kv_heads: int | None, layers: int, dispatch: str | None = None):
     common = dict(vocab_size=s.vocab, hidden_size=s.hidden, num_layers=layers, num_heads=s.heads,
                   num_kv_heads=kv_heads or s.kv_heads, ffn_hidden_size=s.ffn, max_seq_len=s.seq,
                   tie_embeddings=s.tie_embeddings, init_std=0.2)
     if family == "dense":
         return DenseConfig(**common).validate()
     moe = MoEConfig(num_experts=s.experts, top_k=s.top_k, capacity_factor=None,
-                    eval_capacity_factor=None, router_jitter=0.0)
+                    eval_capacity_factor=None, router_jitter=0.0, dispatch_dtype=dispatch)
     return MixtralConfig(**common, moe=moe).validate()
 
 
@@ -223,6 +229,8 @@ class CommRecorder:
         group = a.get("group")
         tensor = _sent_tensors(op, a)
         elements = sum(t.numel() for t in tensor)
+        if op == "all_to_all_single" and tensor and tensor[0].dtype == torch.uint8:
+            elements -= 4 * tensor[0].shape[0]      # fp8 rows: the 4 bytes of each row's scale
         off_rank = elements
         if op == "all_to_all_single":      # rows addressed to this rank never leave it
             me, size = dist.get_rank(group), dist.get_world_size(group)
@@ -276,12 +284,12 @@ def count_collectives(rank: int, world: int, sizes: Sizes, out_path: str,
     """Rank body: measure each layout (all of ``LAYOUTS`` by default) at both scopes, gather the
     records on rank 0 and write them to ``out_path`` as JSON."""
     results = []
-    for name, tp, ep, family, kv, sp in LAYOUTS:
+    for name, tp, ep, family, kv, sp, dispatch in LAYOUTS:
         if layouts is not None and name not in layouts:
             continue
         groups = build_groups(tp=tp, ep=ep, sequence_parallel=sp)
         for scope in ("block", "model"):
-            cfg = _config(family, sizes, kv, 1 if scope == "block" else sizes.layers)
+            cfg = _config(family, sizes, kv, 1 if scope == "block" else sizes.layers, dispatch)
             results.append(dict(layout=name, scope=scope, tp=tp, ep=ep,
                                 **_measure(cfg, groups, scope, sizes)))
     gathered = [None] * world

@@ -51,6 +51,8 @@ class MoEConfig:
     """Groups each token may use, the best by the sum of each group's top-2 scores (with n_group > 1)."""
     balance_over: Literal["micro_batch", "global_batch"] = "micro_batch"
     """Tokens the load-balancing loss counts: each micro-batch's (over ep), or every data-parallel rank's too."""
+    dispatch_dtype: Literal["bf16", "fp8"] | None = None
+    """Expert-parallel all-to-all payload: null = as computed; bf16; fp8 (e4m3, per-row scale, out only)."""
     expert_bias_update_rate: float = 0.0
     """Loss-free balancing: after each step bias_i += rate * sign(mean load - load_i); 0 = off."""
     num_shared_experts: int = 0
@@ -105,6 +107,8 @@ class MoEConfig:
         self._validate_shared(prefix)
 
     def _validate_routing(self, prefix: str) -> None:
+        if self.dispatch_dtype not in (None, "bf16", "fp8"):
+            raise ValueError(f"{prefix}.dispatch_dtype ({self.dispatch_dtype!r}) must be null, bf16 or fp8")
         if self.balance_over not in ("micro_batch", "global_batch"):
             raise ValueError(f"{prefix}.balance_over ({self.balance_over!r}) must be micro_batch or global_batch")
         if self.score_function not in ("softmax", "sigmoid"):

@@ -176,6 +176,11 @@ def init_distributed(recipe: Recipe) -> DistContext:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         gpu = detect_gpu(torch.cuda.get_device_name(device))
+        moe = getattr(recipe.model, "moe", None)
+        if moe is not None and moe.dispatch_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"model.moe.dispatch_dtype: fp8 needs a GPU with float8 (compute "
+                             f"capability 8.9+, e.g. H100, L40S); this {torch.cuda.get_device_name(device)} "
+                             f"has none: use bf16")
     else:
         device, gpu = torch.device("cpu"), None
     par = recipe.parallel

@@ -183,7 +183,8 @@ class MoELayer(nn.Module):
         4. Undo the sort and the exchange for the outputs.
         """
         g, e_local = self.groups, self.experts.num_experts
-        received = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group)   # (N_recv, H)
+        wire = self.moe.dispatch_dtype
+        received = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group, wire)  # (N_recv, H)
         local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
         row_expert = torch.repeat_interleave(local_id, s.recv.flatten(),
                                              output_size=received.shape[0])  # (N_recv,)
@@ -192,7 +193,8 @@ class MoELayer(nn.Module):
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                           device=order.device))
         y = y.index_select(0, inverse)                                      # back to source order
-        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group)    # (N, H)
+        combine = "bf16" if wire else None                                  # fp8 dispatches only
+        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group, combine)    # (N, H)
 
 
 def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = None,

@@ -221,20 +221,49 @@ class _GradOnFirstRank(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     """Forward: send ``in_splits[j]`` rows to rank j, receive ``out_splits[i]`` rows from rank i.
-    Backward: the same exchange reversed."""
+    Backward: the same exchange reversed. ``wire`` (``MoEConfig.dispatch_dtype``) is how the rows
+    travel: None as they are, "bf16" rounded to bfloat16 both ways, "fp8" as e4m3 with one fp32
+    scale per row forward (``_to_fp8``) and bfloat16 backward (DeepSeek-V3's dispatch)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+    def forward(ctx, x, out_splits, in_splits, group, wire=None):
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.wire = group, out_splits, in_splits, wire
+        return _exchange(x, out_splits, in_splits, group, wire)
 
     @staticmethod
     def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
-        return out, None, None, None
+        wire = "bf16" if ctx.wire else None
+        return _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, wire), None, None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire) -> torch.Tensor:
+    """``all_to_all_single`` of the rows of ``x`` (N, H), sent in the ``wire`` format, returned
+    in ``x``'s dtype."""
+    send = x.contiguous()
+    if wire == "bf16":
+        send = send.to(torch.bfloat16)
+    elif wire == "fp8":
+        send = _to_fp8(send)
+    out = send.new_empty((sum(out_splits),) + tuple(send.shape[1:]))
+    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
+    return _from_fp8(out, x.dtype) if wire == "fp8" else out.to(x.dtype)
+
+
+FP8_MAX = 448.0                     # the largest finite float8 e4m3fn
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """(N, H) -> (N, H + 4) uint8: each row scaled by its absolute max to the e4m3 range, cast
+    to float8_e4m3fn, with its fp32 scale in the last 4 bytes (one payload, one all-to-all;
+    uint8 because collectives do not all take float8)."""
+    scale = x.detach().abs().amax(dim=1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX   # (N, 1)
+    q = (x.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8)                     # (N, H)
+    return torch.cat((q, scale.view(torch.uint8)), dim=1)
+
+
+def _from_fp8(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    q, scale = payload[:, :-4], payload[:, -4:].contiguous().view(torch.float32)           # (N, 1)
+    return (q.view(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
 def copy_to_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -272,7 +301,9 @@ def grad_counted_once(x: torch.Tensor, group=None) -> torch.Tensor:
     return _GradOnFirstRank.apply(x, group) if _active(group) else x
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None) -> torch.Tensor:
-    """Differentiable ``all_to_all_single`` with uneven splits (rows of ``x``)."""
-    return _AllToAll.apply(x, out_splits, in_splits, group) if _active(group) else x
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None,
+               wire: str | None = None) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` with uneven splits (rows of ``x``); ``wire``: the
+    payload's format (see ``_AllToAll``)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, wire) if _active(group) else x
 
