@@ -83,7 +83,10 @@ def _refusals(cfg: TransformerConfig, target: str) -> list[tuple[bool, str]]:
     out = [(cfg.qk_norm and target != "qwen3_moe", f"model.qk_norm is true but HF {name} has no "
             "q/k norms; fix: train with qk_norm false"),
            (cfg.qkv_bias and target in ("llama", "mixtral"), f"model.qkv_bias is true but HF "
-            f"{name}'s attention_bias also biases o_proj; fix: train with qkv_bias false")]
+            f"{name}'s attention_bias also biases o_proj; fix: train with qkv_bias false"),
+           (cfg.mup_base_hidden_size is not None, f"model.mup_base_hidden_size "
+            f"({cfg.mup_base_hidden_size}) is set but HF {name} has no muP attention scale (1/d) "
+            "or output multiplier; fix: train with mup_base_hidden_size null")]
     moe = cfg.moe
     if moe is None:
         return out

@@ -103,7 +103,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
 
     model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups, plan.ds)
-    engine = where.engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups)
+    engine = where.engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups, recipe.model)
 
     start_step, monitor_state = 0, None
     where.phase = "checkpoint load"

@@ -196,6 +196,8 @@ class TransformerConfig:
     """Bias on the q, k and v projections, not on o_proj (Qwen2, Qwen2-MoE)."""
     moe: MoEConfig | None = None
     """MoE settings; None for dense."""
+    mup_base_hidden_size: int | None = None
+    """muP (model/mup.py): the width the hyperparameters were tuned at; null = standard parametrization."""
 
     @property
     def head_dim(self) -> int:
@@ -222,6 +224,7 @@ class TransformerConfig:
                      "ffn_hidden_size", "max_seq_len"):
             check_int(f"model.{name}", getattr(self, name))
         check_int("model.attn_head_dim", self.attn_head_dim, optional=True)
+        check_int("model.mup_base_hidden_size", self.mup_base_hidden_size, optional=True)
         if self.attn_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from model.checkpointing import CheckpointPolicy
+from model import mup
 from model.config import TransformerConfig
 from model.moe.layer import MoEAux, MoELayer, load_balancing_losses
 from model.parallel.grad_sync import ReplicaGradSync, sum_grad_over
@@ -108,6 +109,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
         self.groups = g
+        self.scale = mup.attention_scale(cfg)          # None: SDPA's 1/sqrt(hd)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         projs = (self.q_proj, self.k_proj, self.v_proj)
@@ -125,7 +127,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:                    # per head, over hd
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                            enable_gqa=k.shape[1] != self.num_heads)
         y = y.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)               # (B, S, nh*hd)
         return self.o_proj(y)
@@ -212,8 +214,8 @@ def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=Non
         if name.endswith(".bias"):
             return 0.0                                                  # Normal(0, 0): zeros
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-            return out_std
-        return std
+            return out_std * mup.init_scale(cfg, name)                  # 1.0 without muP
+        return std * mup.init_scale(cfg, name)
     init_from_full(module, std_for, seed, write)
 
 
@@ -340,6 +342,7 @@ class Transformer(nn.Module):
             logits = self.embed_tokens(x, unembed=True)                       # (B, S, V/tp)
         else:
             logits = self.lm_head(x)
+        logits = mup.scale_logits(self.cfg, logits)                          # x 1/m under muP
         out = TransformerOutput(logits=logits, moe_aux=moe_aux)
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the

@@ -1,7 +1,9 @@
 """Optimizer pieces around DeepSpeed: weight-decay groups, a CPU LAMB, and LR scaling.
 
 - `param_groups`: AdamW-style decoupled weight decay on matrices only (never on norms, biases or
-  embeddings); each group carries the `"name"` key DeepSpeed's MoE utilities index by.
+  embeddings); each group carries the `"name"` key DeepSpeed's MoE utilities index by. Under muP
+  (`model.mup_base_hidden_size`) the hidden matrices form a third group with an `"lr_scale"`
+  of 1/m, which `apply_group_lr_scales` turns into the group's own lr.
 - `Lamb`: a pure-torch LAMB for the CPU accelerator, where DeepSpeed's `FusedLamb` has no kernel.
   `maybe_build_client_optimizer` builds it when the JSON asks for `Lamb` on CPU.
 - `scale_lr` / `apply_lr_scaling`: scale the peak lr with the global batch (none, linear, sqrt), as
@@ -15,7 +17,8 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from model.config import is_int
+from model import mup
+from model.config import TransformerConfig, is_int
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 
@@ -38,8 +41,9 @@ def _no_decay(name: str, param: torch.Tensor) -> bool:
     return ndim < 2 or "embed" in name or name.endswith("norm.weight")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
-    """Split trainable parameters into a decayed and a non-decayed group.
+def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[TransformerConfig] = None) -> List[dict]:
+    """Split trainable parameters into a decayed and a non-decayed group (and, under muP, the
+    hidden matrices into a third).
 
     Decayed: `q_proj`/`k_proj`/`v_proj`/`o_proj`, `gate_proj`/`up_proj`/`down_proj`, the router
     `gate`, 3-D stacked `experts.*` weights, an untied `lm_head`. Not decayed: `*_layernorm`,
@@ -48,20 +52,72 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
     Args:
         model: the module to train (names as in HF Llama / Mixtral).
         weight_decay: the decay of the decayed group (the JSON `optimizer.params.weight_decay`).
+        cfg: the model's config; with `mup_base_hidden_size` set, the decayed matrices that
+            `model.mup.is_hidden` names go to a last group `"decay_mup_hidden"` with
+            `"lr_scale": 1/m` (last, so that group 0, whose lr the trainer logs, has the base lr).
 
     Returns:
-        Up to two groups, `{"params", "weight_decay", "name": "decay" | "no_decay"}`; an empty
-        group is left out (DeepSpeed's ZeRO cannot partition an empty group).
+        Up to three groups, `{"params", "weight_decay", "name": "decay" | "no_decay" |
+        "decay_mup_hidden"[, "lr_scale"]}`; an empty group is left out (DeepSpeed's ZeRO cannot
+        partition an empty group). Without muP exactly the two groups of before.
     """
-    decay, no_decay = [], []
+    use_mup = cfg is not None and cfg.mup_base_hidden_size is not None
+    decay, no_decay, hidden = [], [], []
     for name, param in model.named_parameters():
-        if param.requires_grad:
-            (no_decay if _no_decay(name, param) else decay).append(param)
+        if not param.requires_grad:
+            continue
+        if _no_decay(name, param):
+            no_decay.append(param)
+        else:
+            (hidden if use_mup and mup.is_hidden(name) else decay).append(param)
     groups = [
         {"params": decay, "weight_decay": float(weight_decay), "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    if use_mup:
+        groups.append({"params": hidden, "weight_decay": float(weight_decay), "name": "decay_mup_hidden",
+                       "lr_scale": 1.0 / mup.width_mult(cfg)})
     return [g for g in groups if g["params"]]
+
+
+def apply_group_lr_scales(ds_config: dict, groups: List[dict]) -> dict:
+    """Give each param group with an `"lr_scale"` (muP's hidden group) its own lr, and keep the
+    per-group ratios under every scheduler.
+
+    Sets `group["lr"] = optimizer.params.lr * lr_scale` on every group (the optimizer DeepSpeed
+    builds from the JSON, or ours, keeps a group's own lr). Our schedulers and DeepSpeed's
+    `WarmupCosineLR` multiply each group's initial lr, so they keep the ratios as they are;
+    DeepSpeed's `WarmupLR`, `WarmupDecayLR`, `OneCycle` and `LRRangeTest` set absolute lrs,
+    so their lr params (`warmup_max_lr`, ...) become per-group lists scaled the same way.
+    Call it after `apply_lr_scaling` and `resolve_auto`, before `deepspeed.initialize`.
+
+    Args:
+        ds_config: the final DeepSpeed config (not modified).
+        groups: from `param_groups`; modified in place.
+
+    Returns:
+        A copy of the config with per-group scheduler lrs; the config itself when no group has
+        an `lr_scale`.
+
+    Raises:
+        ValueError: muP groups but no `optimizer.params.lr` to scale.
+    """
+    scales = [g.get("lr_scale", 1.0) for g in groups]
+    if all(s == 1.0 for s in scales):
+        return ds_config
+    out = copy.deepcopy(ds_config)
+    lr = ((out.get("optimizer") or {}).get("params") or {}).get("lr")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool):
+        raise ValueError(f"ds_config.optimizer.params.lr ({lr!r}) must be a number under muP "
+                         f"(model.mup_base_hidden_size): set the base learning rate")
+    for group, scale in zip(groups, scales):
+        group["lr"] = lr * scale
+    sched_params = (out.get("scheduler") or {}).get("params") or {}
+    for key in _SCHEDULER_LR_KEYS:
+        value = sched_params.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            sched_params[key] = [value * s for s in scales]
+    return out
 
 
 class Lamb(torch.optim.Optimizer):

@@ -58,6 +58,7 @@ import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from model import mup
 from model.config import TransformerConfig
 from model.moe.layer import load_balancing_losses
 from model.parallel.groups import ParallelGroups
@@ -79,7 +80,7 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
         super().__init__()
-        self.groups = groups
+        self.groups, self.cfg = groups, cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
         init_weights(self, cfg, seed)
         _load(self, init)
@@ -96,7 +97,8 @@ class EmbeddingPipe(nn.Module):
 def unembed(embedding: EmbeddingPipe, inputs):
     """``forward_fn`` of the tied head: logits from the shared embedding weight."""
     x, aux_sum, z_sum = inputs
-    return embedding.embed_tokens(x, unembed=True), aux_sum, z_sum                # (B, S, V)
+    logits = embedding.embed_tokens(x, unembed=True)                              # (B, S, V)
+    return mup.scale_logits(embedding.cfg, logits), aux_sum, z_sum
 
 
 class BlockPipe(nn.Module):
@@ -162,12 +164,14 @@ class HeadPipe(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
+        self.cfg = cfg
         init_weights(self, cfg, seed)
         _load(self, init)
 
     def forward(self, inputs):
         x, aux_sum, z_sum = inputs
-        return self.lm_head(self.norm(x)), aux_sum, z_sum                          # (B, S, V)
+        logits = mup.scale_logits(self.cfg, self.lm_head(self.norm(x)))           # (B, S, V)
+        return logits, aux_sum, z_sum
 
 
 class PipelineLoss:

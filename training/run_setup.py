@@ -27,7 +27,7 @@ from training.shard_maps import enable_universal_checkpoint
 from training.sharded_build import build_partitioned, builds_partitioned
 from training.tokenization import load_tokenizer
 from training.tracking import MFU_NOTE, Progress, Tracker
-from model import Transformer
+from model import Transformer, TransformerConfig
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups, build_groups
 
@@ -273,14 +273,17 @@ def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups,
     return model
 
 
-def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups):
-    """``deepspeed.initialize`` with our parameter groups, optimizer and scheduler choices."""
+def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups,
+                 model_cfg: TransformerConfig | None = None):
+    """``deepspeed.initialize`` with our parameter groups (muP's per-group lrs when ``model_cfg``
+    asks for them), optimizer and scheduler choices."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     ds, our_sched = schedules.split_scheduler(ds)
     wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
-    param_groups = optim.param_groups(model, wd)
+    param_groups = optim.param_groups(model, wd, model_cfg)
+    ds = optim.apply_group_lr_scales(ds, param_groups)
     client_opt, ds = optim.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
     lr_scheduler = None
     if our_sched is not None:      # DeepSpeed calls it with the optimizer it built
