@@ -351,8 +351,7 @@ class Transformer(nn.Module):
             out.z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         if labels is not None:
             head = self.embed_tokens if self.lm_head is None else self.lm_head
-            vocab_start = head.start if self.lm_head is None else head.weight.shard_spec[0][1][0]
-            out.ce_sum = cross_entropy_sum(logits, labels, self.groups, vocab_start, IGNORE_INDEX)
+            out.ce_sum = cross_entropy_sum(logits, labels, self.groups, head.start, IGNORE_INDEX)
             out.num_target_tokens = (labels != IGNORE_INDEX).sum()
         return out
 

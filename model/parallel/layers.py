@@ -139,6 +139,9 @@ class ColumnParallelLinear(nn.Module):
             check_tp_divides("output size", out_features, tp)
             out_index = even_slice(out_features, tp, rank)
         self.weight = nn.Parameter(torch.empty(len(out_index), in_features))
+        # First output row held here (the vocabulary offset of an output head), on the module:
+        # FSDP2 swaps parameters for DTensors, which drop attributes such as ``shard_spec``.
+        self.start = out_index[0]
         sharded = ("tp",) if len(out_index) < out_features else ()
         shard_param(self.weight, g, (out_features, in_features), [(0, out_index)], sharded)
         over = ("ep", *(("tp",) if self.replicated_over_tp else ()))

@@ -1,0 +1,342 @@
+"""PyTorch FSDP2 vs DeepSpeed ZeRO-3: the same model from the same init, on the same tokens, with
+the same optimizer, schedule and clipping; per-step losses (asserted equal), peak memory per rank
+and step time.
+
+    python benchmarks/fsdp2_vs_zero3.py                           # 2 gloo CPU ranks, tiny Mixtral, 12 steps
+    python benchmarks/fsdp2_vs_zero3.py --models mixtral,dense --steps 12
+    torchrun --nproc_per_node 2 benchmarks/fsdp2_vs_zero3.py      # the same, launched by hand
+
+Hardware: any CPU (2 gloo ranks on 127.0.0.1; run without torchrun, the script launches itself
+with ``torchrun --nproc_per_node 2``) or GPUs (NCCL, one rank per GPU). fp32 only: the issue's
+parity check is "FSDP2 and ZeRO-3 losses equal per step (fp32, 1e-4) on the same tokens".
+
+ZeRO-3 is the repository's own path: the recipe and ``--config`` JSON resolved as
+``launch/train.py`` resolves them, the model built partitioned under ``zero.Init``
+(``run_setup.build_model``), ``deepspeed.initialize`` with our weight-decay groups
+(``run_setup.build_engine``) and the trainer's step (``stepping.Stepper.train_step``). FSDP2 is
+``fully_shard`` on every block and then on the root (``reshard_after_forward=True``: parameters
+gathered per block in forward and again in backward, as ZeRO-3) over the data-parallel ranks,
+with what DeepSpeed builds from the same JSON: torch's ``AdamW`` over the same parameter groups,
+DeepSpeed's own lr scheduler class, ``clip_grad_norm_`` at ``gradient_clipping``, and the
+trainer's objective (each rank's cross-entropy sum scaled by dp / tokens of the step, plus the
+router losses / accumulation steps; gradients averaged over dp by both). Only tp = ep = pp = 1:
+FSDP2 with tensor or expert parallelism is out of scope here.
+
+Peak memory: CPU has no allocator statistics, so each framework's build and first
+``--memory-steps`` steps run under ``torch.profiler`` with ``profile_memory``, whose events carry
+every c10 CPU allocation and free; the peak is the maximum of their running sum (tensor bytes,
+not RSS; on GPU ``torch.cuda.max_memory_allocated``). The steps after those are timed without
+the profiler, one framework after the other in alternating order, so that other load hits both
+alike; the median step time is printed. Exits 1 when a step's losses differ by more than
+``--rtol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from itertools import accumulate
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+RECIPES = {"mixtral": "recipes/tiny_mixtral.yaml", "dense": "recipes/tiny_dense.yaml"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="ds_configs/zero3_fp32.json", help="DeepSpeed JSON (ZeRO-3, fp32)")
+    p.add_argument("--models", default="mixtral", help="comma-separated subset of: mixtral, dense")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per framework")
+    p.add_argument("--memory-steps", type=int, default=3, help="first steps run under the memory profiler")
+    p.add_argument("--nproc", type=int, default=2, help="ranks when the script launches itself")
+    p.add_argument("--rtol", type=float, default=1e-4, help="largest relative loss difference allowed")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides, e.g. model.num_layers=2, and DeepSpeed JSON keys with a "
+                        "ds. prefix, e.g. ds.zero_optimization.reduce_bucket_size=500000 (both sides)")
+    p.add_argument("--json", default=None, help="also write the results here (rank 0)")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and batches.
+
+class PeakMemory:
+    """Peak tensor bytes allocated inside the ``with`` block, above its start: the CUDA
+    allocator's statistics on GPU, the profiler's allocation events on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            return
+        self.prof.__exit__(*exc)
+        events = sorted((e for e in self.prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        self.peak = max(accumulate((e.nbytes() for e in events), initial=0))
+        del self.prof
+
+
+def step_batches(cfg, ds: dict, seq: int, steps: int, dp_rank: int, dp: int, device) -> list:
+    """This rank's micro-batches of every step: fixed random ids (the same global batch, cut the
+    same way, for both frameworks); labels are the next ids. Drawn from a Zipf distribution
+    (p ~ 1/rank) so that the loss falls as the model learns it: a mismatch in the update
+    (optimizer, clipping, schedule) shows in the losses, not only one in the forward."""
+    g = torch.Generator().manual_seed(0)
+    micro, gas = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    zipf = 1.0 / torch.arange(1, cfg.vocab_size + 1, dtype=torch.float64)
+    out = []
+    for _ in range(steps):
+        n = gas * dp * micro * (seq + 1)
+        ids = torch.multinomial(zipf, n, replacement=True, generator=g)
+        ids = ids.view(gas, dp, micro, seq + 1)[:, dp_rank]                # (gas, micro, seq + 1)
+        out.append([(t[:, :-1].to(device), t[:, 1:].to(device)) for t in ids])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The two frameworks, each one object with ``step(step, micro_batches) -> loss``.
+
+class Zero3Run:
+    """The trainer's own path: partitioned build, ``build_engine``, ``Stepper.train_step``."""
+
+    def __init__(self, recipe, ds: dict, ctx):
+        from training import run_setup, stepping
+        self.model = run_setup.build_model(recipe, None, ctx.groups, ds)
+        self.engine = run_setup.build_engine(self.model, ds, recipe.train.steps, ctx.groups)
+        self.stepper = stepping.Stepper(self.engine, recipe, ds, ctx, ctx.groups.dp)
+
+    def step(self, step: int, micro_batches) -> tuple[float, float]:
+        row, _ = self.stepper.train_step(step, micro_batches)
+        assert "skipped" not in row, row
+        return row["loss"], row["grad_norm"]
+
+    def full_params(self) -> dict:
+        """Every parameter whole (gathered from the ZeRO-3 partitions), by name."""
+        import deepspeed
+        params = dict(self.model.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+
+
+class Fsdp2Run:
+    """FSDP2 ``fully_shard`` per block and at the root, with what DeepSpeed builds from the JSON."""
+
+    def __init__(self, recipe, ds: dict, ctx):
+        from deepspeed.runtime import lr_schedules
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        from model import Transformer
+        from training import optim
+        g = ctx.groups
+        self.model = Transformer(recipe.model, g, init_seed=recipe.train.seed).to(ctx.device)
+        self.model.set_activation_checkpointing(recipe.train.activation_checkpointing)
+        mesh = DeviceMesh.from_group(g.dp_group, ctx.device.type)
+        for block in self.model.layers:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self.model, mesh=mesh)
+        params = dict(ds["optimizer"]["params"])
+        assert ds["optimizer"]["type"].lower() == "adamw" and params.pop("torch_adam", False), ds["optimizer"]
+        groups = optim.param_groups(self.model, params["weight_decay"])   # names unchanged by FSDP2
+        self.opt = torch.optim.AdamW(groups, **params)                    # as DeepSpeed's torch_adam
+        sched = ds.get("scheduler")
+        self.sched = getattr(lr_schedules, sched["type"])(self.opt, **sched["params"]) if sched else None
+        self.clip = float(ds.get("gradient_clipping", 0.0))
+        self.ctx, self.dp = ctx, g.dp
+        self.tokens_per_step = ds["train_batch_size"] * recipe.seq_len
+
+    def step(self, step: int, micro_batches) -> tuple[float, float]:
+        model, gas = self.model, len(micro_batches)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)   # ce_sum, tokens
+        for input_ids, labels in micro_batches:
+            out = model(input_ids, labels)
+            # The trainer's objective (training/stepping.py): exact accumulation over the step.
+            loss = out.ce_sum * (self.dp / self.tokens_per_step) + model.router_loss(out) / gas
+            loss.backward()
+            sums += torch.stack([out.ce_sum.detach().double(), out.num_target_tokens.double()])
+        # DeepSpeed's clip: grads x 1 / max(1, (norm + 1e-6) / clip); torch's: x min(1, clip / (norm + 1e-6)).
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.clip if self.clip > 0 else float("inf"))
+        self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        dist.all_reduce(sums, group=self.ctx.groups.dp_group)
+        ce, tokens = sums.tolist()
+        return ce / max(tokens, 1), float(norm.full_tensor())
+
+    def full_params(self) -> dict:
+        """Every parameter whole (gathered from the FSDP2 shards), by name."""
+        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------------------------
+# One comparison on every rank.
+
+def setup(model: str, args):
+    """Recipe, resolved DeepSpeed JSON and process groups, as ``launch/train.py`` prepares them."""
+    from training import ds_config, run_setup
+    from training.recipe import apply_overrides, load_recipe
+    ds_sets = [o for o in args.set if o.startswith("ds.")]
+    recipe = load_recipe(REPO / RECIPES[model], [f"train.steps={args.steps}",
+                                                 *(o for o in args.set if not o.startswith("ds."))])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = recipe.dims(world)
+    if world != dims.dp:
+        raise ValueError(f"parallel sizes tp x ep x pp ({world // dims.dp}) must be 1: FSDP2 "
+                         f"with tensor, expert or pipeline parallelism is not compared here")
+    ds = apply_overrides(ds_config.load_ds_config(REPO / args.config), ds_sets, "DeepSpeed key", "ds.")
+    ds = ds_config.validate_ds_config(ds, dims.dp)
+    ds = run_setup.resolve_ds_config(ds, recipe)
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
+    if stage != 3 or half:
+        raise ValueError(f"--config {args.config}: stage {stage}, half precision {half}; "
+                         f"the comparison needs ZeRO-3 in fp32 (ds_configs/zero3_fp32.json)")
+    ctx = run_setup.init_distributed(recipe)
+    return recipe, ds, ctx
+
+
+def compare(model: str, args) -> dict:
+    """Both frameworks on this rank; per-step losses, peak bytes and step times of each."""
+    recipe, ds, ctx = setup(model, args)
+    g = ctx.groups
+    batches = step_batches(recipe.model, ds, recipe.seq_len, args.steps, g.dp_rank, g.dp, ctx.device)
+    runs, res = {}, {name: {"loss": [], "grad_norm": [], "time": []} for name in ("fsdp2", "zero3")}
+    for name, cls in (("fsdp2", Fsdp2Run), ("zero3", Zero3Run)):
+        gc.collect()
+        with PeakMemory(ctx.device) as mem:
+            runs[name] = cls(recipe, ds, ctx)
+            for step in range(1, args.memory_steps + 1):
+                _record(res[name], runs[name].step(step, batches[step - 1]))
+        res[name]["peak_bytes"] = mem.peak
+    for step in range(args.memory_steps + 1, args.steps + 1):
+        order = ("fsdp2", "zero3") if step % 2 else ("zero3", "fsdp2")
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            _record(res[name], runs[name].step(step, batches[step - 1]))
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            res[name]["time"].append(time.perf_counter() - t0)
+    # The update itself, after the last step: Adam hides any constant scale of the gradients
+    # from the losses, not from the weights (a clipping mismatch moves them by ~1e-5).
+    want, got = runs["zero3"].full_params(), runs["fsdp2"].full_params()
+    assert want.keys() == got.keys(), (sorted(want), sorted(got))
+    res["max_weight_diff"] = max((got[n] - w).abs().max().item() for n, w in want.items())
+    res["params"] = recipe.model.num_params()
+    res["world"] = ctx.world_size
+    return res
+
+
+def _record(res: dict, loss_and_norm: tuple[float, float]) -> None:
+    res["loss"].append(loss_and_norm[0])
+    res["grad_norm"].append(loss_and_norm[1])
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    """Largest per-step |a - b| / |b|."""
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def gather_ranks(res: dict) -> list[dict]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, res)
+    return out
+
+
+def report(model: str, per_rank: list[dict], args) -> tuple[str, float]:
+    r0 = per_rank[0]
+    fs, z3 = r0["fsdp2"]["loss"], r0["zero3"]["loss"]
+    diff = max_rel_diff(fs, z3)
+    lines = [f"### {model} ({r0['params'] / 1e6:.2f}M parameters), {r0['world']} ranks, "
+             f"{args.config}, {args.steps} steps", "",
+             "| step | FSDP2 loss | ZeRO-3 loss | relative difference | FSDP2 grad norm | ZeRO-3 grad norm |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    norms = zip(r0["fsdp2"]["grad_norm"], r0["zero3"]["grad_norm"])
+    lines += [f"| {i} | {a:.6f} | {b:.6f} | {abs(a - b) / abs(b):.1e} | {na:.4f} | {nb:.4f} |"
+              for i, (a, b, (na, nb)) in enumerate(zip(fs, z3, norms), 1)]
+    lines += ["", f"max relative difference {diff:.1e} (allowed {args.rtol:g}); weights after the "
+              f"last step: max |FSDP2 - ZeRO-3| {r0['max_weight_diff']:.1e}", "",
+              "| rank | framework | peak memory (MB) | median step (ms) |", "|---:|---|---:|---:|"]
+    for rank, r in enumerate(per_rank):
+        for name, label in (("fsdp2", "FSDP2"), ("zero3", "ZeRO-3")):
+            times = r[name]["time"]
+            med = f"{1e3 * statistics.median(times):.1f}" if times else "-"
+            lines.append(f"| {rank} | {label} | {r[name]['peak_bytes'] / 1e6:.2f} | {med} |")
+    return "\n".join(lines), diff
+
+
+def run_distributed(args) -> int:
+    from training import run_setup
+    results, text, worst = {}, [], 0.0
+    for model in args.models.split(","):
+        per_rank = gather_ranks(compare(model, args))
+        table, diff = report(model, per_rank, args)
+        results[model] = {"ranks": per_rank, "max_rel_diff": diff}
+        text.append(table)
+        worst = max(worst, diff)
+    if dist.get_rank() == 0:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads per rank; peak memory: "
+              f"tensor bytes above the start, over the build and the first {args.memory_steps} "
+              f"steps; step time: median of the later steps\n")
+        print("\n\n".join(text))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+    run_setup.shutdown()
+    if worst > args.rtol:
+        print(f"FAIL: FSDP2 and ZeRO-3 losses differ by {worst:.1e} relative (> {args.rtol:g})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bad = [m for m in args.models.split(",") if m not in RECIPES]
+    if bad or not 1 <= args.memory_steps < args.steps:
+        print(f"error: --models {bad} not in {list(RECIPES)}, or --memory-steps "
+              f"({args.memory_steps}) not in [1, --steps)", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ:
+        return run_distributed(args)
+    env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", WANDB_MODE="disabled")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc),
+           "--master_port", str(_free_port()), __file__, *(argv if argv is not None else sys.argv[1:])]
+    return subprocess.run(cmd, cwd=REPO, env=env).returncode
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
