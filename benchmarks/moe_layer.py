@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ffn", type=int, default=None,
                    help="I, inner size of each expert (default: cpu 1024, cuda 4096)")
     p.add_argument("--experts", default="8,32,64", help="comma-separated expert counts E")
+    p.add_argument("--top-k", type=int, default=TOP_K,
+                   help="experts per token (fine-grained MoEs: 8 with a small --ffn)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--iters", type=int, default=None,
@@ -421,7 +423,9 @@ def cpu_name() -> str:
 
 
 def main(argv=None) -> None:
+    global TOP_K
     args = parse_args(argv)
+    TOP_K = args.top_k
     args.experts = [int(e) for e in args.experts.split(",")]
     dtype, device = DTYPES[args.dtype], torch.device(args.device)
     if args.threads is not None:
