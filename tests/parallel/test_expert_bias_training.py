@@ -9,8 +9,8 @@ accumulation 2 (dp 1), so every step sees the same 8 sequences:
 - EP2 (2 gloo ranks, each routes half of every micro-batch): the bias each rank saved in its
   own ``mp_rank_XX_model_states.pt`` is bitwise the same on both ranks and equal to the
   control's: the update uses the step's counts summed over both micro-batches and both ranks;
-- PP2 (2 stages, each updates its own layers' biases), TP2, TP2 x EP2 (4 ranks) and EP2 under
-  fp32 ZeRO-3: the consolidated bias equals the control's, and the logged loss and grad norm
+- PP2 (2 stages, each updates its own layers' biases), TP2, TP2 x EP2 (4 ranks), and EP2 and
+  TP2 under fp32 ZeRO-3: the consolidated bias equals the control's, and the logged loss and grad norm
   match the control's;
 - EP2 with rate 0: the bias stays exactly zero;
 - EP2 under ZeRO-3 in bf16 (parameters partitioned, the model built under ``zero.Init``): the
@@ -75,6 +75,7 @@ def runs(tmp_path_factory):
                                    ("pp2", 2, ON + PP2, config), ("ep2-off", 2, MODEL + EP2, config),
                                    ("tp2", 2, ON + TP2, config), ("tp2xep2", 4, ON + TP2 + EP2, config),
                                    ("ep2-zero3", 2, ON + EP2, zero3_fp32),
+                                   ("tp2-zero3", 2, ON + TP2, zero3_fp32),
                                    ("ep2-zero3-bf16", 2, ON + EP2, zero3)):
         out[name] = tmp / name
         launch(out[name], ds, nproc=nproc, extra=extra, steps=STEPS)
@@ -98,7 +99,7 @@ def test_loss_free_balancing_updates_the_bias_identically_at_every_layout(runs):
     for name in control:
         assert torch.equal(rank0[name], rank1[name]), name             # every replica alike
         assert torch.equal(rank0[name], control[name]), name           # counts over both ranks
-    for layout in ("ep2", "pp2", "tp2", "tp2xep2", "ep2-zero3"):       # pp2: each stage its layers
+    for layout in ("ep2", "pp2", "tp2", "tp2xep2", "ep2-zero3", "tp2-zero3"):  # pp2: per stage
         merged = _biases(load_run_model(runs[layout])[0].state_dict())
         for name in control:
             assert torch.equal(merged[name], control[name]), (layout, name)
@@ -121,7 +122,7 @@ def test_rate_zero_leaves_the_bias_at_zero(runs):
         assert all(torch.equal(b, torch.zeros(8)) for b in biases.values())
 
 
-@pytest.mark.parametrize("layout", ["ep2", "pp2", "tp2", "tp2xep2", "ep2-zero3"])
+@pytest.mark.parametrize("layout", ["ep2", "pp2", "tp2", "tp2xep2", "ep2-zero3", "tp2-zero3"])
 def test_layouts_log_the_controls_losses_and_loads(runs, layout):
     """Loss, load-balancing loss and grad norm within 1e-4 of the control at every step (fp32 at
     ZeRO-1 and ZeRO-3; only summation orders differ), the load to 1e-6, the biases exactly."""
