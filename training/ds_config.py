@@ -373,3 +373,18 @@ def check_layout(ds: dict, dims: ParallelDims) -> None:
         raise ValueError(f"ds_config: zero_optimization.stage ({stage}) with "
                          f"parallel.pipeline_parallel_size ({dims.pp}): DeepSpeed's pipeline engine "
                          f"refuses ZeRO-2/3; use ds_configs/zero1.json or zero0.json")
+
+
+def replica_sync_mode(ds: dict) -> str:
+    """How ``model.parallel.grad_sync.ReplicaGradSync`` sums the gradients of parameters replicated
+    over tp/ep under DeepSpeed JSON ``ds`` (no pipeline): "step" (one bucketed all-reduce per
+    group at the accumulation boundary) where DeepSpeed leaves ``.grad`` alone until backward
+    returns: ZeRO-0 and ZeRO-1 without ``overlap_comm``, in fp32 (in bf16/fp16 ZeRO-0 and -1 may
+    move ``.grad`` into an fp32 accumulator in their hooks). Otherwise "micro_batch": each
+    parameter's gradient is summed in its hook, before DeepSpeed's hook takes it."""
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
+    if stage <= 1 and not zero.get("overlap_comm", False) and not half:
+        return "step"
+    return "micro_batch"

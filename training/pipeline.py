@@ -254,9 +254,10 @@ class TransformerPipe(PipelineModule):
 
     def add_step_stats(self, stats: torch.Tensor, gas: int) -> None:
         """Add this rank's values to the trainer's vector ``[ce_sum, target_tokens, nonfinite,
-        aux, z, entropy, dropped, counts (L_moe x E), entropy (L_moe), dropped (L_moe)]`` (router
-        values as means over micro-batches, the scalars also over MoE layers, as
-        ``Stepper._accumulate``). Device-side adds only: no communication, no host copy."""
+        aux, z, entropy, dropped, small-batch |G|^2 (unused with stages), counts (L_moe x E),
+        entropy (L_moe), dropped (L_moe)]`` (router values as means over micro-batches, the
+        scalars also over MoE layers, as ``Stepper._accumulate``). Device-side adds only: no
+        communication, no host copy."""
         for record in self.loss_fn.records:          # (ce_sum, target tokens, loss)
             stats[0] += record[0]
             stats[1] += record[1]
@@ -269,9 +270,9 @@ class TransformerPipe(PipelineModule):
             for aux, z, entropy, dropped, counts in block.moe_stats:
                 for i, value in enumerate((aux, z, entropy, dropped)):
                     stats[3 + i] += value.double() / layers / gas
-                stats[7 + j * experts:7 + (j + 1) * experts] += counts.double()
-                stats[7 + layers * experts + j] += entropy.double() / gas
-                stats[7 + layers * (experts + 1) + j] += dropped.double() / gas
+                stats[8 + j * experts:8 + (j + 1) * experts] += counts.double()
+                stats[8 + layers * experts + j] += entropy.double() / gas
+                stats[8 + layers * (experts + 1) + j] += dropped.double() / gas
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:

@@ -131,6 +131,8 @@ class TrainConfig:
     """A checkpoint a rank could not write (disk full): keep training, or stop with exit code 74."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
+    noise_scale: bool = True
+    """Log the gradient noise scale where the layout allows it exactly (training/noise_scale.py)."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("seed", 0), ("save_every", 1), ("keep_last", 0),

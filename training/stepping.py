@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from model.parallel import comm
+from training import noise_scale
+from training.ds_config import replica_sync_mode
 
-# The statistics vector: [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped] (router
-# values as means over MoE layers), then tokens per expert (L_moe x E), then the router entropy
-# (L_moe) and the dropped fraction (L_moe) of each MoE layer.
-_SCALARS = 7
+# The statistics vector: [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch
+# |G|^2 (training/noise_scale.py)] (router values as means over MoE layers), then tokens per expert
+# (L_moe x E), then the router entropy (L_moe) and the dropped fraction (L_moe) of each MoE layer.
+_SCALARS = 8
 
 
 @dataclass
@@ -83,21 +85,6 @@ class SpikeMonitor:
         return {"history": self.history}
 
 
-def replica_sync_mode(ds: dict) -> str:
-    """How ``model.parallel.grad_sync.ReplicaGradSync`` sums the gradients of parameters replicated
-    over tp/ep under DeepSpeed JSON ``ds`` (no pipeline): "step" (one bucketed all-reduce per
-    group at the accumulation boundary) where DeepSpeed leaves ``.grad`` alone until backward
-    returns: ZeRO-0 and ZeRO-1 without ``overlap_comm``, in fp32 (in bf16/fp16 ZeRO-0 and -1 may
-    move ``.grad`` into an fp32 accumulator in their hooks). Otherwise "micro_batch": each
-    parameter's gradient is summed in its hook, before DeepSpeed's hook takes it."""
-    zero = ds.get("zero_optimization") or {}
-    stage = int(zero.get("stage", 0))
-    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16", "fp16"))
-    if stage <= 1 and not zero.get("overlap_comm", False) and not half:
-        return "step"
-    return "micro_batch"
-
-
 class Stepper:
     """Runs training steps and evaluation on ``engine`` and returns metric rows.
 
@@ -132,6 +119,7 @@ class Stepper:
         self.stop_requested = False     # a rank got a preemption signal before this step's end
         self.saver, self.saves_written = None, True     # training.saving.Saver, set by the trainer
         self.grad_sync = None if self.pipeline else self.model.grad_sync
+        self.noise = noise_scale.for_run(recipe, ds, ctx, dp_size, monitor_state)
         if self.grad_sync is not None:
             self.grad_sync.mode = replica_sync_mode(ds)
         if self.pipeline:
@@ -144,11 +132,13 @@ class Stepper:
                 pipeline.clip_fp32_with_norm(engine, lambda: self._grad_norm_local)
 
     def monitor_state(self) -> dict:
-        return {**self.spikes.state(), "tokens": self.tokens_seen}
+        noise = {"noise_scale": self.noise.state()} if self.noise else {}
+        return {**self.spikes.state(), "tokens": self.tokens_seen, **noise}
 
     def _stats_vector(self, device: torch.device) -> torch.Tensor:
-        """``[ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, counts (L x E),
-        entropy (L), dropped (L), router divergence]`` on the device, L the MoE layers."""
+        """``[ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch |G|^2,
+        counts (L x E), entropy (L), dropped (L), router divergence]`` on the device, L the MoE
+        layers."""
         experts = self.cfg.moe.num_experts if self.cfg.moe else 0
         layers = len(self.moe_blocks)
         return torch.zeros(_SCALARS + layers * (experts + 2) + 1, dtype=torch.float64, device=device)
@@ -189,6 +179,8 @@ class Stepper:
             if self.grad_sync is not None:   # "step" mode sums the replicas' gradients once, here
                 self.grad_sync.boundary = i == gas - 1
             engine.backward(loss, scale_wrt_gas=False)
+            if i == 0 and self.noise:    # .grad: this micro-batch's gradient (gas >= 2)
+                self.noise.measure(self.model, stats[_SCALARS - 1])
             if i == gas - 1:
                 saved_lr = self._prepare_last_step(skip_reason)
                 where.phase = "optimizer step"
@@ -338,6 +330,8 @@ class Stepper:
                "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
                "tokens": self.tokens_seen, "tokens_per_s": values[1] / step_time,
                "step_time_s": step_time}
+        if self.noise:
+            row.update(self.noise.row(values[_SCALARS - 1], row["grad_norm"], applied))
         extra = {}
         if self.moe_blocks:
             moe_row, extra = self._moe_stats(values)
