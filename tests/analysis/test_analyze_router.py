@@ -151,6 +151,23 @@ def test_router_sending_every_token_to_experts_0_and_1():
     assert dropless["dropped_frac_train_cf"] == dropless["dropped_frac_eval_cf"] == 0.0
 
 
+def test_a_spread_router_flags_nothing():
+    """The converse: routers that spread the tokens (no bias, weights N(0, 1), random tokens)
+    leave both collapsed lists empty, every expert well above a tenth of its uniform share."""
+    model = _model(None, None)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g))
+    ids = torch.randint(64, (960,), generator=torch.Generator().manual_seed(0))
+    result = router.analyze_model(model, router.windows(ids, 16, 4), [f" w{i}" for i in range(64)])
+    assert result["collapsed"] == {**result["collapsed"], "experts": [], "layers": []}
+    for L in result["layers"]:
+        assert sum(L["tokens_per_expert"]) == 2 * 960 and min(L["tokens_per_expert"]) > 0.1 * 240
+        assert L["load_max_over_mean"] < 2.0
+
+
 def test_lift_of_a_hand_made_routing(monkeypatch):
     from model.config import MoEConfig
     monkeypatch.setattr(router, "MIN_TEXT_COUNT", 1)
