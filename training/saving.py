@@ -8,11 +8,15 @@ publishes the checkpoint: rank 0 writes ``manifest.json``, then moves ``latest``
 With ``train.async_save`` (the default) the engine's ``save`` is replaced for the call by a
 snapshot: every tensor's storage copied to host memory (``_snapshot``; a memory copy, a GPU's
 device-to-host). Training then goes on while one thread per rank serializes the snapshots with
-``torch.save`` (the same bytes DeepSpeed would write), fsyncs each file and hashes it. In every step the ranks already sum a flag over
-the job (``Stepper._to_host``); the count of busy writers rides in the same all-reduce, so at the
-first step boundary at which every writer has finished, all ranks publish together. At most one
-save is in flight: the next save, and every save the run ends with, waits for it first. The
-snapshot costs host memory, one rank's share of the checkpoint until its files are written.
+``torch.save`` (the same bytes DeepSpeed would write), fsyncs each file and hashes it into the
+rank's share of the manifest (or leaves a ``.failed`` marker). Rank 0's writer then waits for
+every share and publishes at once: a checkpoint counts as soon as it is durable everywhere, even
+if the run dies before its next step. The ranks learn the outcome together: in every step they
+already sum a flag over the job (``Stepper._to_host``), the count of busy writers rides in the
+same all-reduce, and at the first step boundary at which none is busy they agree in one small
+all-reduce whether the save succeeded. At most one save is in flight: the next save, and every
+save the run ends with, waits for it first. The snapshot costs host memory, one rank's share of
+the checkpoint until its files are written.
 
 Why our own writer: DeepSpeed 0.19's decoupled and fast checkpoint engines need its ``async_io``
 op (libaio), which cannot build where libaio is missing, as on the CPU test machine, and
@@ -90,22 +94,29 @@ class Saver:
         self.finish()
         save = _Save(step, self.ckpt_dir / tag_for_step(step))
         if self.engine.global_rank == 0:       # an earlier save of this tag (before a fallback resume)
-            (save.folder / manifest.MANIFEST).unlink(missing_ok=True)
+            for stale in (save.folder / manifest.MANIFEST, *save.folder.glob("manifest.rank*")):
+                stale.unlink(missing_ok=True)  # DeepSpeed's first barrier orders this before any write
         with _engine_writes(self.engine, save, self.background):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=save.folder.name,
                                         client_state=client_state, save_latest=False)
         self.pending = save
-        if self.background and not save.errors:
-            save.thread = threading.Thread(target=_write, args=(save, self.engine.global_rank),
-                                           name="checkpoint-writer")
+        if self.background:
+            rank, world = self.engine.global_rank, self.engine.world_size
+            publish = (lambda: self._publish(save)) if rank == 0 else None
+            # Rank 0's writer also waits for the other ranks' shares: a daemon when there are
+            # others, so that a job whose other ranks died cannot keep rank 0 from exiting.
+            save.thread = threading.Thread(target=_write, args=(save, rank, world, publish),
+                                           name="checkpoint-writer", daemon=rank == 0 and world > 1)
             save.thread.start()
         if wait or not self.background:
             self.finish(final=wait)
         self.stall_s = time.perf_counter() - t0
 
     def finish(self, final: bool = False) -> None:
-        """Wait for the save in flight, if any, and publish it; every rank calls this at the
-        same point (after a step in which ``writing`` was false everywhere, or in ``save``).
+        """Wait for the save in flight, if any, and make sure every rank knows how it went; every
+        rank calls this at the same point (after a step in which ``writing`` was false
+        everywhere, or in ``save``). A background save was published by rank 0's writer as soon
+        as every share was written; one written in the loop is hashed and published here.
         Collectives over the default group: one small all-reduce after each stage, in which the
         ranks agree whether every one of them succeeded."""
         save, self.pending = self.pending, None
@@ -114,9 +125,9 @@ class Saver:
         if save.thread is not None:
             save.thread.join()
         rank, world = self.engine.global_rank, self.engine.world_size
-        stages = (None,
-                  None if self.background else (lambda: manifest.write_share(save.folder, rank, world)),
-                  lambda: rank == 0 and self._publish(save))
+        stages = (None,) if self.background else (
+            None, lambda: manifest.write_share(save.folder, rank, world),
+            lambda: rank == 0 and self._publish(save))
         for stage in stages:
             if stage is not None:
                 try:
@@ -209,21 +220,48 @@ def _snapshot(obj, storages: dict):
     return copy.deepcopy(obj)
 
 
-def _write(save: _Save, rank: int) -> None:
+def _write(save: _Save, rank: int, world: int, publish=None) -> None:
     """The background writer: every file of this rank saved and fsynced, its size and CRC-32
-    into this rank's manifest share; each snapshot released once written."""
+    into this rank's manifest share (or a ``.failed`` marker); each snapshot released once
+    written. On rank 0 (``publish``), then: wait until every rank's share is there and publish,
+    so that a checkpoint counts as soon as it is durable everywhere, not at a later step."""
     entries = {}
     try:
-        while save.files:
+        while save.files and not save.errors:
             path, state = save.files.pop(0)
             _write_file(path, state)
             del state
             size, crc = manifest.checksum(path)
             entries[path.relative_to(save.folder).as_posix()] = {"bytes": size, "crc32": crc}
-        manifest.write_entries(save.folder, rank, entries)
+        if not save.errors:
+            manifest.write_entries(save.folder, rank, entries)
     except OSError as err:
         save.errors.append(f"{err.strerror or err}: {err.filename or save.folder}")
-        save.files.clear()
+    save.files.clear()
+    if save.errors:
+        try:
+            atomic_write(save.folder / f"manifest.rank{rank}.failed", save.errors[0])
+        except OSError:
+            pass                         # the boundary's all-reduce still reports the failure
+        return
+    if publish is None or not _all_shares_written(save.folder, world):
+        return
+    try:
+        publish()
+    except (OSError, ValueError) as err:
+        save.errors.append(str(err))
+
+
+def _all_shares_written(folder: Path, world: int, poll_s: float = 0.05) -> bool:
+    """Rank 0's writer: wait until every rank's share or failure marker exists; False when a
+    rank failed."""
+    while True:
+        names = {p.name for p in folder.glob("manifest.rank*")}
+        if any(n.endswith(".failed") for n in names):
+            return False
+        if all(f"manifest.rank{r}.json" in names for r in range(world)):
+            return True
+        time.sleep(poll_s)
 
 
 def _write_file(path: Path, state) -> None:

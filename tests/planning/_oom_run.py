@@ -1,7 +1,9 @@
 """Run by test_oom.py in its own process: ``launch.train.main(argv)`` with the model's forward
 raising a CUDA-style out-of-memory error at call ``OOM_AT_CALL`` (env), as a GPU would.
 
-Before raising it records the state of ``<run-dir>/checkpoints`` (what ``latest`` says, and every
+Before raising it waits for the background writer of the last save (it publishes the checkpoint
+as soon as its files are durable, whatever the training thread does next) and records the state
+of ``<run-dir>/checkpoints`` (what ``latest`` says, and every
 file's size and mtime) in ``<run-dir>.before_oom.json``, so that the test can check that the
 report left the checkpoints exactly as the last completed step did.
 """
@@ -9,6 +11,7 @@ report left the checkpoints exactly as the last completed step did.
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +36,9 @@ def main(argv: list[str]) -> int:
     def forward_until_oom(self, *args, **kwargs):
         calls[0] += 1
         if calls[0] == oom_at:
+            for thread in threading.enumerate():     # step 2's background save, if still writing
+                if thread.name == "checkpoint-writer":
+                    thread.join()
             state = checkpoint_state(run_dir / "checkpoints")
             Path(f"{run_dir}.before_oom.json").write_text(json.dumps(state))
             raise torch.OutOfMemoryError(
