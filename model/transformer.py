@@ -197,14 +197,10 @@ class Block(nn.Module):
         return x + y, aux
 
 
-@torch.no_grad()
-def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=None) -> None:
-    """Normal(0, init_std) for every matrix; residual-output projections scaled by
-    1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's variance does not grow
-    with depth; norms (the q/k norms too) at one, biases at zero. Each full tensor is drawn from (seed, name) and this rank keeps
-    its shard, so every layout starts from the same model; ``module`` may be any part of the
-    model whose parameter names are the Transformer's (e.g. a pipeline stage's layer).
-    ``write``: how a shard is stored, see ``model.parallel.layers.fill_from_full``."""
+def init_std_for(cfg: TransformerConfig):
+    """name -> the std of the parameter's init: ``init_std`` for every matrix, residual-output
+    projections scaled by 1/sqrt(2 * num_layers) (GPT-2 / Megatron) so the residual stream's
+    variance does not grow with depth; None (ones) for norms, the q/k norms too; 0 for biases."""
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.num_layers)
 
@@ -216,7 +212,17 @@ def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=Non
         if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
             return out_std * mup.init_scale(cfg, name)                  # 1.0 without muP
         return std * mup.init_scale(cfg, name)
-    init_from_full(module, std_for, seed, write)
+    return std_for
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: TransformerConfig, seed: int, write=None) -> None:
+    """Normal(0, std) per element, std by ``init_std_for``. Each full tensor is defined from
+    (seed, name) in blocks along its sharded dims and this rank draws only the blocks of its
+    shard (``model/parallel/draw.py``), so every layout starts from the same model; ``module``
+    may be any part of the model whose parameter names are the Transformer's (e.g. a pipeline
+    stage's layer). ``write``: how a shard is stored, see ``model.parallel.draw.fill_shards``."""
+    init_from_full(module, init_std_for(cfg), seed, write)
 
 
 def expert_parallel_rows(t: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:

@@ -7,8 +7,9 @@ divided by the ranks that share them, plus the largest layer drawn in fp32:
   training dtype and partitions them over dp as the module's constructor returns: ``params`` =
   a psi / dp, on the device (on the host under ``offload_param``). While a module is created it
   is whole at this rank's layout and broadcast from dp rank 0: ``construct`` = 2 a x the largest
-  module (its tensors and a receive buffer), on the device. Then each rank draws every full
-  tensor in fp32 on the host and writes its partition: ``draw`` = 4 x ``largest_draw``.
+  module (its tensors and a receive buffer), on the device. Then each rank draws its tp/ep
+  shard of each tensor in fp32 on the host and writes its partition: ``draw`` = 4 x
+  ``largest_draw``.
 - ZeRO 0-2: the rank's whole shard in fp32 on the host (``params`` = 4 psi), plus the draw;
   ``deepspeed.initialize`` then moves it to the device (counted in the model states).
 
@@ -21,24 +22,27 @@ from __future__ import annotations
 import math
 
 from model.config import TransformerConfig
+from model.parallel.draw import block_length
 from planning.memory_model import (DTYPE_BYTES, FP32, Layout, _offloaded, local_params,
                                    precision_of)
 
 
 def largest_draw(cfg: TransformerConfig, layout: Layout) -> int:
-    """Elements alive while the build draws its largest parameter: each rank draws every
-    parameter's full (unsharded) tensor from one seed and keeps its shard, one tensor at a time
-    (``model/parallel/layers.py``), so the full tensor plus, when tp/ep cut it, the shard copy.
+    """Elements alive while the build draws its largest parameter: each rank draws only the
+    blocks of its tp/ep shard, one tile at a time, into the shard (``model/parallel/draw.py``),
+    so this rank's shard plus one tile (its rows, columns or expert slice of one block).
     Candidates: the vocabulary rows, the query projection, an MLP projection, one stacked
     expert projection (E, H, I) and a shared-expert projection."""
     h, f, fe, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size, layout.tp
-    q = cfg.num_heads * cfg.head_dim * h
-    kinds = [(cfg.vocab_size * h, math.ceil(cfg.vocab_size / tp) * h), (q, q // tp),
-             (h * f, h * (f // tp))]
+    q = cfg.num_heads * cfg.head_dim
+    kinds = [(math.ceil(cfg.vocab_size / tp) * h, block_length(cfg.vocab_size) * h),
+             (q // tp * h, block_length(q) * h), (h * (f // tp), h * block_length(f))]
     if cfg.moe is not None:
         e, fs = cfg.moe.num_experts, cfg.moe.shared_ffn_size(fe)
-        kinds += [(e * h * fe, e // layout.ep * h * (fe // tp)), (h * fs, h * (fs // tp))]
-    return max(full + (shard if shard < full else 0) for full, shard in kinds)
+        kinds += [(e // layout.ep * h * (fe // tp), h * block_length(fe))]      # tiles of one expert
+        if fs:
+            kinds += [(h * (fs // tp), h * block_length(fs))]
+    return max(shard + tile for shard, tile in kinds)
 
 
 def build_bytes(cfg: TransformerConfig, layout: Layout, ds: dict, stage: int = 0) -> dict[str, float]:

@@ -6,13 +6,13 @@ need 187 GB per rank just to start. Under ``zero.Init`` each module's parameters
 over the data-parallel group as soon as its constructor returns, in the training dtype, on the
 device (or where ``offload_param`` puts them).
 
-The weights must still be the full tensors every layout draws (``model/parallel/layers.py``), but
+The weights must still be the full tensors every layout draws (``model/parallel/draw.py``), but
 our layers create their parameters empty and the model initializes them after construction,
 when they are already partitioned. So the model is built uninitialized, then each parameter in
-turn: every data-parallel rank draws its full tensor in fp32 on the host (the same stream on
-every rank), keeps this model-parallel rank's shard, copies its own ZeRO-3 partition of it into
-``ds_tensor`` and frees the rest (``write_partition``): the initialization gathers and
-broadcasts nothing.
+turn: every data-parallel rank draws this model-parallel rank's shard in fp32 on the host (only
+the blocks of the full tensor that meet it, the same values on every rank), copies its own
+ZeRO-3 partition of it into ``ds_tensor`` and frees the rest (``write_partition``): the
+initialization gathers and broadcasts nothing.
 ``GatheredParameters(modifier_rank=None)`` with the same draw on every rank would be the public
 route, but DeepSpeed 0.19.8 discards in-place writes on exit (``partition(has_been_updated=
 False)``); ``modifier_rank=0`` adds an all-gather and a broadcast of every tensor (measured on 2
@@ -21,7 +21,7 @@ here).
 
 Peak memory per rank (``planning/build_memory.py``): this rank's partition of the model as
 built, plus, while a module is created, the module whole and ``zero.Init``'s broadcast of it
-from dp rank 0; then, while a tensor is drawn, the full fp32 tensor and its tp/ep shard. On a
+from dp rank 0; then, while a tensor is drawn, its fp32 tp/ep shard and one block. On a
 GPU the partitions and the module live on the device and the host holds only the draw.
 
 ``zero.Init`` creates every floating tensor of a constructor in the training dtype, buffers
@@ -36,7 +36,7 @@ import torch
 
 from model import Transformer
 from model.parallel.groups import ParallelGroups
-from model.parallel.layers import fill_from_full
+from model.parallel.draw import fill_from_full
 
 
 def builds_partitioned(ds: dict | None) -> bool:

@@ -155,7 +155,9 @@ class GroupedExperts(nn.Module):
             shape = list(full)
             shape[0], shape[dim] = self.num_experts, len(inner)
             p = nn.Parameter(torch.empty(shape))
-            setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)], sharded))
+            # Init blocks of one expert: an ep rank draws only its experts, whichever placement.
+            setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)],
+                                            sharded, blocks={0: 1}))
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
                 sizes: list[int] | None = None) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Megatron-style tensor-parallel layers and the bookkeeping every sharded parameter carries.
 
-Each parameter records how it was cut from its full tensor (``shard_spec``), so that
-``init_from_full`` gives the same full weights at any layout (the full tensor is drawn from one
-seed and this rank keeps its slice, one tensor at a time), and so that checkpoints and tests can
-reassemble it.
+Each parameter records how it was cut from its full tensor (``shard_spec``) and the blocks its
+full tensor is drawn in (``draw_blocks``), so that ``init_from_full`` gives the same full weights
+at any layout while each rank draws only the blocks of its shard (``model/parallel/draw.py``),
+and so that checkpoints and tests can reassemble it.
 
 Gradient-norm contract with DeepSpeed: a parameter is marked ``tensor_model_parallel`` exactly on
 the ranks that are its canonical holder (rank 0 of every model-parallel axis it is replicated
@@ -23,20 +23,21 @@ their weight gradient over tp.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from model.parallel import comm
+from model.parallel.draw import (block_length, draw, fill_from_full, fill_shards, init_from_full,
+                                 take_shard)
 from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 
 
 def shard_param(param: nn.Parameter, groups: ParallelGroups | None, full_shape: tuple,
-                spec: list[tuple[int, list[int]]], sharded_over: tuple[str, ...]) -> nn.Parameter:
+                spec: list[tuple[int, list[int]]], sharded_over: tuple[str, ...],
+                blocks: dict[int, int] | None = None) -> nn.Parameter:
     """Attach the sharding metadata to ``param``.
 
     Args:
@@ -46,22 +47,17 @@ def shard_param(param: nn.Parameter, groups: ParallelGroups | None, full_shape: 
         spec: (dim, indices) pairs: this rank's shard is ``full`` indexed by ``indices`` along
             ``dim``, applied in order.
         sharded_over: model-parallel axes ("tp", "ep") across which the shards differ.
+        blocks: block length of the init draw along a spec dim, where not ``block_length`` of
+            its size (experts: one per block). The spec's dims, and so the blocks, must be the
+            same at every layout: only the indices differ.
     """
     param.full_shape = tuple(full_shape)
     param.shard_spec = spec
+    param.draw_blocks = {d: block_length(full_shape[d]) for d, _ in spec} | (blocks or {})
     replicated = [a for a in ("tp", "ep") if a not in sharded_over]
     g = groups or ParallelGroups()
     param.tensor_model_parallel = all(getattr(g, f"{a}_rank") == 0 for a in replicated)
     return param
-
-
-def take_shard(full: torch.Tensor, spec) -> torch.Tensor:
-    """This rank's shard of ``full`` (see ``shard_param``); ``full`` itself when the spec keeps
-    every index (no copy of the largest tensors at tp 1)."""
-    for dim, idx in spec:
-        if list(idx) != list(range(full.shape[dim])):
-            full = full.index_select(dim, torch.as_tensor(idx, device=full.device))
-    return full.contiguous()
 
 
 def even_slice(size: int, parts: int, index: int) -> list[int]:
@@ -256,47 +252,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, groups=None,
     return (losses * valid).sum()
 
 
-def draw_full(name: str, full_shape: tuple, std: float | None, seed: int) -> torch.Tensor:
-    """The full fp32 tensor of parameter ``name``: ones when ``std`` is None (norm weights), else
-    Normal(0, std) (zeros for std 0: biases) from a generator seeded by (seed, name), the same on every rank."""
-    if std is None:
-        return torch.ones(full_shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(full_shape).normal_(0.0, std, generator=gen)
-
-
-def _copy_into(param: nn.Parameter, shard: torch.Tensor) -> None:
-    param.copy_(shard.to(param.dtype))
-
-
-@torch.no_grad()
-def fill_from_full(module: nn.Module, full_for, write=None) -> None:
-    """Set every parameter of ``module`` to this rank's shard of its full tensor, one tensor at
-    a time: host memory peaks at the largest full tensor, never at the whole model.
-
-    Args:
-        full_for: (parameter name, full shape) -> the full tensor (drawn or loaded).
-        write: (parameter, this rank's shard of its full tensor) -> None. Default: copy the
-            shard into the parameter. A build whose parameters are already partitioned passes
-            one that keeps only its partition (``training/sharded_build.py``, ZeRO-3).
-    """
-    for name, p in module.named_parameters():
-        full = full_for(name, getattr(p, "full_shape", tuple(p.shape)))
-        (write or _copy_into)(p, take_shard(full, getattr(p, "shard_spec", [])))
-        del full
-
-
-def init_from_full(module: nn.Module, std_for, seed: int, write=None) -> None:
-    """Initialize every parameter of ``module`` from its full tensor (``draw_full``: drawn from
-    (seed, parameter name)), keeping this rank's shard: the same full weights at any
-    tensor/expert-parallel layout, however ``write`` stores them (see ``fill_from_full``).
-
-    Args:
-        std_for: name -> std (None for ones, as for norm weights).
-    """
-    fill_from_full(module, lambda name, shape: draw_full(name, shape, std_for(name), seed), write)
-
-
 def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]:
     """The kv heads this tp rank holds, and which of them its query heads use.
 
@@ -316,6 +271,7 @@ def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "check_tp_divides", "column_parallel_linears", "cross_entropy_sum", "enter_tp_region",
-           "draw_full", "even_slice", "fill_from_full", "init_from_full", "kv_heads_for_rank",
-           "leave_tp_region", "replicated", "shard_param", "take_shard"]
+           "block_length", "check_tp_divides", "column_parallel_linears", "cross_entropy_sum",
+           "draw", "enter_tp_region", "even_slice", "fill_from_full", "fill_shards",
+           "init_from_full", "kv_heads_for_rank", "leave_tp_region", "replicated", "shard_param",
+           "take_shard"]

@@ -29,22 +29,26 @@ def test_build_bytes_closed_forms():
     cfg = load_recipe(REPO / "recipes" / "mixtral_8x7b.yaml", MIXTRAL_EP1).model
     psi, h, f = cfg.num_params(), cfg.hidden_size, cfg.ffn_hidden_size
     experts = 8 * h * f                          # one stacked expert projection, (E, H, I)
+    tile = h * (f // 64)                         # one init tile of it: (1, H, I/64)
     # Without zero.Init every rank holds its whole shard in fp32: the 187 GB per rank.
     old = build_bytes(cfg, Layout(64), _ds("zero2"))
     assert old["params"] == 4 * psi and round(old["params"] / GB) == 187
-    assert old["draw"] == 4 * experts and old["host"] == 4 * psi + 4 * experts
+    assert old["draw"] == 4 * (experts + tile) and old["host"] == 4 * psi + 4 * (experts + tile)
     assert old["device"] == 0
     # ZeRO-3 bf16: a 1/64 partition in bf16 on the GPU, the expert module (3 projections) whole
-    # there while it is created and broadcast, one full fp32 projection drawn on the host.
+    # there while it is created and broadcast, one fp32 projection (and a tile) drawn on the host.
     new = build_bytes(cfg, Layout(64), _ds("zero3"))
     assert new["params"] == pytest.approx(2 * psi / 64)
     assert new["construct"] == 2 * 2 * 3 * experts
-    assert new["device"] == pytest.approx(2 * psi / 64 + 12 * experts) and new["host"] == 4 * experts
+    assert new["device"] == pytest.approx(2 * psi / 64 + 12 * experts) and new["host"] == 4 * (experts + tile)
     # Offloaded parameters: the partition is built on the host.
     off = build_bytes(cfg, Layout(64), _ds("zero3_offload"))
     assert off["host"] == pytest.approx(off["params"] + off["draw"])
-    # Under tp 2 x ep 8 the draw is the full tensor plus this rank's shard of it.
-    assert largest_draw(cfg, Layout(64, tp=2, ep=8)) == experts + experts // 16
+    # Under tp 2 x ep 8 each rank draws only its shards: now the largest is its half of the
+    # vocabulary rows (plus one tile of 32000 / 64 rows), no longer a full expert projection.
+    vocab = cfg.vocab_size * h
+    assert experts // 16 + tile < vocab // 2
+    assert largest_draw(cfg, Layout(64, tp=2, ep=8)) == vocab // 2 + vocab // 64
     # CPU accelerator: the construction, then the draw, on top of the partition.
     assert new["cpu_peak"] == pytest.approx(new["params"] + max(new["construct"], new["draw"]))
 
