@@ -50,7 +50,7 @@ class MoEConfig:
     topk_group: int = 1
     """Groups each token may use, the best by the sum of each group's top-2 scores (with n_group > 1)."""
     balance_over: Literal["micro_batch", "global_batch"] = "micro_batch"
-    """Tokens the load-balancing loss counts: each micro-batch's (over ep), or every data-parallel rank's too."""
+    """Tokens the load-balancing loss counts: each micro-batch's (over ep), or the step's so far on every rank."""
     dispatch_dtype: Literal["bf16", "fp8"] | None = None
     """Expert-parallel all-to-all payload: null = as computed; bf16; fp8 (e4m3, per-row scale, out only)."""
     expert_bias_update_rate: float = 0.0

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.moe.layer import start_balance_step
 from model.parallel import comm
 from training import noise_scale
 from training.ds_config import replica_sync_mode
@@ -159,6 +160,7 @@ class Stepper:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
         where = self.where
         where.step, where.micro_batch, where.micro_batches = step, None, len(batches)
+        start_balance_step(self.model)          # global-batch balancing counts this step only
         if self.pipeline:
             return self._pipeline_train_step(step, batches)
         t0 = time.time()

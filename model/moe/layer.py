@@ -41,11 +41,36 @@ class MoEAux:
     tokens_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
     dropped_frac: torch.Tensor        # scalar, dropped assignments / (k*T)
     entropy: torch.Tensor             # scalar, mean router entropy in nats
+    step_counts: "StepCounts | None" = None   # the layer's running counts (global-batch, training)
 
     @property
     def load_max_over_mean(self) -> torch.Tensor:
         counts = self.tokens_per_expert.float()
         return counts.max() / counts.mean().clamp_min(1e-9)
+
+
+class StepCounts:
+    """One MoE layer's routed counts over the optimizer step so far, for global-batch balancing
+    (``MoEConfig.balance_over``): each micro-batch adds its counts (already summed over the batch
+    group), and its loss uses the mean over the step's micro-batches up to and including itself
+    (Megatron's global aux loss). Device tensors only; ``start_balance_step`` resets it."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.micro_batches = 0
+
+    def add(self, counts: torch.Tensor) -> torch.Tensor:
+        """(E,) this micro-batch's counts -> (E,) the mean over the step's micro-batches so far."""
+        self.total = counts if self.total is None else self.total + counts
+        self.micro_batches += 1
+        return self.total / self.micro_batches
+
+
+def start_balance_step(model: nn.Module) -> None:
+    """Forget the previous optimizer step's routed counts (call before a step's first forward)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.step_counts = StepCounts()
 
 
 @dataclass
@@ -96,6 +121,7 @@ class MoELayer(nn.Module):
         # Activation checkpointing of the expert FFNs only (``experts`` policy): backward
         # recomputes the grouped GEMMs between the exchanges, not the routing or the exchanges.
         self.checkpoint_experts = False
+        self.step_counts = StepCounts()     # global-batch balancing's running counts (not state)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """(B, S, H) -> (B, S, H) and the layer's auxiliary outputs (S/tp under sequence
@@ -148,7 +174,8 @@ class MoELayer(nn.Module):
             z_loss=losses.router_z_loss(routing.logits, total_tokens),
             tokens_per_expert=routed.detach(),
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
-            entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach())
+            entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach(),
+            step_counts=self.step_counts if moe.global_balance and self.training else None)
         return out, aux
 
     def _experts(self, rows: torch.Tensor, per_expert: torch.Tensor,
@@ -207,14 +234,19 @@ def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = N
     here, after the forward, in one all-reduce per micro-batch rather than one per layer (and
     none is repeated when backward recomputes a checkpointed layer). With ``global_batch``
     (``MoEConfig.balance_over``) the same one all-reduce runs over the batch group (dp x ep) and
-    the sum is divided by dp: each expert's share of the micro-batches of every data-parallel rank
-    (Qwen's global-batch balancing), which lets a rank's micro-batch be unbalanced where the
-    step is not.
+    the sum is divided by dp; in training each layer's ``StepCounts`` then averages that over
+    the step's micro-batches so far. Each expert's share is then the one of every data-parallel
+    rank's micro-batches of the optimizer step up to this one (Qwen's global-batch balancing,
+    Megatron's running form across accumulation), which lets a micro-batch be unbalanced where
+    the step is not.
     """
     groups = groups or ParallelGroups()
     group, replicas = (groups.batch_group, groups.dp) if global_batch else (groups.ep_group, 1)
     counts = torch.stack([a.tokens_per_expert for a in auxes])              # (L, E) this rank's
     counts = comm.all_reduce_sum(counts, group).to(auxes[0].mean_prob.dtype) / replicas
+    if global_batch:
+        counts = torch.stack([c if a.step_counts is None else a.step_counts.add(c)
+                              for a, c in zip(auxes, counts)])
     return torch.stack([a.balance_scale * (c * a.mean_prob).sum() for a, c in zip(auxes, counts)])
 
 
