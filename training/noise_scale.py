@@ -23,10 +23,13 @@ Where the two norms come from, at no extra communication:
   ``B_big = train_batch_size x seq_len`` tokens.
 
 Exact only where ``.grad`` is the whole, unreduced micro-batch gradient after backward (DeepSpeed
-0.19.8): tp = ep = pp = 1 (no shards, no replicas summed in hooks, no pipeline schedule), and
-DeepSpeed's ``replica_sync_mode`` "step" case: ZeRO-0/1 in fp32 without ``overlap_comm``
-(ZeRO-2/3 and ``overlap_comm`` reduce and free ``.grad`` in backward hooks; bf16 ZeRO-1 moves it
-into ``param.grad_accum`` in a hook, bf16 ZeRO-0's ``BF16_Optimizer`` into its fp32 buffers).
+0.19.8): tp = ep = pp = 1 (no shards, no replicas summed in hooks, no pipeline schedule), ZeRO-0
+or -1 without ``overlap_comm`` (ZeRO-2/3 and ``overlap_comm`` reduce and free ``.grad`` in
+backward hooks), in fp32 or in bf16 with gradients accumulated in bf16 (DeepSpeed's default;
+with ``data_types.grad_accum_dtype: fp32`` ZeRO-1 moves ``.grad`` into ``param.grad_accum`` in
+a hook and ZeRO-0's ``BF16_Optimizer`` into its fp32 buffers), not fp16 (whose ``.grad``
+carries the dynamic loss scale). In bf16 the micro-batch gradient is the bf16 one the
+optimizer accumulates, so ``|G_small|^2`` carries bf16's rounding (about 1e-3 relative).
 Elsewhere nothing is logged.
 """
 
@@ -36,7 +39,6 @@ import math
 
 import torch
 
-from training.ds_config import replica_sync_mode
 
 BETA = 0.95     # EMA decay of both estimates: about the last 20 steps
 
@@ -46,8 +48,16 @@ def unavailable_reason(ds: dict, groups) -> str | None:
     ``groups`` (None: it can)."""
     if groups.tp * groups.ep * groups.pp > 1:
         return "tensor/expert/pipeline parallel (gradients sharded, or reduced in hooks)"
-    if replica_sync_mode(ds) != "step":
-        return "ZeRO-2/3, overlap_comm or half precision (DeepSpeed takes .grad in backward hooks)"
+    zero = ds.get("zero_optimization") or {}
+    if int(zero.get("stage", 0)) > 1 or zero.get("overlap_comm", False):
+        return "ZeRO-2/3 or overlap_comm (DeepSpeed takes .grad in backward hooks)"
+    if (ds.get("fp16") or {}).get("enabled"):
+        return "fp16 (.grad carries the dynamic loss scale)"
+    bf16 = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16"))
+    accum = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    if bf16 and accum not in (None, "bf16", "bfloat16"):
+        return (f"bf16 with data_types.grad_accum_dtype {accum} (DeepSpeed moves .grad into an "
+                f"fp32 accumulator in hooks)")
     if int(ds.get("gradient_accumulation_steps", 1)) < 2:
         return "gradient_accumulation_steps < 2 (no micro-batch gradient before the reduction)"
     return None
