@@ -49,7 +49,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="recipes/tiny_deepseek_moe.yaml")
     p.add_argument("--config", default="ds_configs/zero1_fp32.json")
-    p.add_argument("--rates", default="0,0.001,0.01", help="comma-separated bias update rates")
+    p.add_argument("--rates", default="0,0.001,0.002", help="comma-separated bias update rates")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--window", type=int, default=20, help="steps averaged at the start and the end")
     p.add_argument("--target", type=float, default=1.3)
