@@ -24,6 +24,12 @@ over the k experts a token is routed to, with combine weights ``w_k``:
 * Nothing may be dropped: a capacity factor (train or eval) can drop tokens, whose FFN output
   is then zero.
 
+* Shared experts (``num_shared_experts``, DeepSeek-MoE, Qwen2-MoE): the shared FFN, whose inner
+  size must be the dense MLP's, is a copy of the MLP too, and the two paths split its output:
+  the shared FFN's down projection is scaled by ``shared_fraction`` f (2f behind Qwen2-MoE's
+  sigmoid gate, whose weight starts at zero, so it gates by exactly 1/2) and every routed
+  expert's by 1 - f. The output is ``f * MLP(x) + (1 - f) * MLP(x)`` under the conditions above.
+
 ``exact_at_init`` states these conditions for a recipe; tests/interop/test_upcycle.py checks
 the logits against the dense model's in each exact mode.
 
@@ -68,6 +74,8 @@ class UpcycleOptions:
     router_std: float | None = None
     """Std of the router's normal init; None: 0 (zeros) when split > 1, whose exact start needs
     equal combine weights, else the recipe's model.init_std."""
+    shared_fraction: float = 0.5
+    """With shared experts: the share of the dense MLP's output the shared FFN carries at init."""
 
     def router_init_std(self, cfg: TransformerConfig) -> float:
         if self.router_std is not None:
@@ -81,6 +89,8 @@ class UpcycleOptions:
             raise ValueError(f"--noise ({self.noise}) must be a finite number >= 0 (0: exact copies)")
         if self.router_std is not None and not 0 <= self.router_std < math.inf:
             raise ValueError(f"--router-std ({self.router_std}) must be a finite number >= 0")
+        if not 0 <= self.shared_fraction <= 1:
+            raise ValueError(f"--shared-fraction ({self.shared_fraction}) must be in [0, 1]")
         return self
 
 
@@ -159,23 +169,27 @@ def check_compatible(dense: TransformerConfig, moe_cfg: TransformerConfig, split
     if ffn % split:
         raise ValueError(f"--split ({split}) does not divide the dense model's ffn_hidden_size ({ffn}); "
                          f"fix: choose a --split that divides {ffn}")
-    if moe_cfg.ffn_hidden_size != ffn // split:
-        hint = (f" or --split {ffn // moe_cfg.ffn_hidden_size}"
-                if ffn % moe_cfg.ffn_hidden_size == 0 else "")
-        raise ValueError(f"model.ffn_hidden_size ({moe_cfg.ffn_hidden_size}) must be the dense model's "
-                         f"ffn_hidden_size / --split = {ffn} / {split} = {ffn // split}; fix: "
-                         f"--set model.ffn_hidden_size={ffn // split}{hint}")
-    if split > 1 and moe.moe_layer_freq > 1:
-        raise ValueError(f"model.moe.moe_layer_freq ({moe.moe_layer_freq}) keeps dense blocks, "
-                         f"whose MLP needs the full ffn_hidden_size ({ffn}), but --split {split} "
-                         f"makes it {ffn // split}; fix: --set model.moe.moe_layer_freq=1 or --split 1")
+    expert = moe_cfg.expert_ffn_size
+    field = "model.moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
+    if expert != ffn // split:
+        hint = f" or --split {ffn // expert}" if ffn % expert == 0 else ""
+        raise ValueError(f"{field} ({expert}) must be the dense model's ffn_hidden_size / --split = "
+                         f"{ffn} / {split} = {ffn // split}; fix: --set {field}={ffn // split}{hint}")
+    dense_blocks = not all(moe_cfg.is_moe_layer(i) for i in range(moe_cfg.num_layers))
+    if dense_blocks and moe_cfg.ffn_hidden_size != ffn:
+        raise ValueError(f"model.ffn_hidden_size ({moe_cfg.ffn_hidden_size}) is the MLP of the blocks "
+                         f"that stay dense, copied from the dense model's ({ffn}); fix: --set "
+                         f"model.ffn_hidden_size={ffn} (and model.moe.expert_ffn_hidden_size="
+                         f"{ffn // split} for the experts)")
     if moe.num_experts % split:
         raise ValueError(f"model.moe.num_experts ({moe.num_experts}) is not a multiple of --split "
                          f"({split}): each copy of the MLP is cut into {split} experts; fix: "
                          f"--set model.moe.num_experts={split * max(1, moe.num_experts // split)}")
-    if moe.num_shared_experts:
-        raise ValueError(f"model.moe.num_shared_experts ({moe.num_shared_experts}): upcycling "
-                         f"makes routed experts only; fix: --set model.moe.num_shared_experts=0")
+    shared = moe.shared_ffn_size(expert) if moe.num_shared_experts else 0
+    if shared and shared != ffn:
+        raise ValueError(f"the shared experts' inner size ({shared}) must be the dense model's "
+                         f"ffn_hidden_size ({ffn}): the shared FFN is a copy of the dense MLP; fix: "
+                         f"--set model.moe.shared_expert_ffn_hidden_size={ffn}")
 
 
 def exact_at_init(moe_cfg: TransformerConfig, opts: UpcycleOptions) -> str | None:
@@ -230,7 +244,7 @@ def upcycle_state_dict(dense: TransformerConfig, dense_sd: dict[str, torch.Tenso
     sd = Transformer(moe_cfg, init_seed=opts.seed).state_dict()
     gen = torch.Generator().manual_seed(opts.seed)
     moe, n = moe_cfg.moe, opts.split
-    inner = moe_cfg.ffn_hidden_size                                  # I/N per expert
+    inner = moe_cfg.expert_ffn_size                                  # I/N per expert
     copied = set()
     for name, t in dense_sd.items():
         if name in sd:
@@ -257,6 +271,17 @@ def upcycle_state_dict(dense: TransformerConfig, dense_sd: dict[str, torch.Tenso
         router = torch.randn(moe.num_experts, moe_cfg.hidden_size, generator=gen) * router_std
         sd[p + "gate.weight"] = router                                   # (E, H)
         copied.update(p + k for k in ("gate.weight", *(f"experts.{name}" for name in _FFN)))
+        if moe.num_shared_experts:                                       # f to shared, 1 - f routed
+            f = opts.shared_fraction
+            sd[p + "experts.down_proj"] *= 1.0 - f
+            gated = moe.shared_expert_gate                               # sigmoid(0) = 1/2
+            shared_down = down * f * (2 if gated else 1)
+            for name, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", shared_down)):
+                sd[p + f"shared_experts.{name}.weight"] = w.clone()      # (I, H), (I, H), (H, I)
+                copied.add(p + f"shared_experts.{name}.weight")
+            if gated:
+                sd[p + "shared_expert_gate.weight"] = torch.zeros(1, moe_cfg.hidden_size)
+                copied.add(p + "shared_expert_gate.weight")
     fresh = [k for k in sd if k not in copied and not k.endswith("e_score_correction_bias")]
     assert not fresh, f"not set from the dense model: {fresh[:3]}"   # the expert bias starts at 0
     return sd
@@ -288,6 +313,7 @@ def upcycle(source: Path, moe_cfg: TransformerConfig, out: Path, opts: UpcycleOp
     try:
         hf.save_init_dir(tmp, moe_cfg, sd, tokenizer)
         record = {"source": str(source), "split": opts.split, "noise": opts.noise, "seed": opts.seed,
+                  "shared_fraction": opts.shared_fraction if moe_cfg.moe.num_shared_experts else None,
                   "router_std": opts.router_init_std(moe_cfg), "exact_at_init": verdict is None,
                   "not_exact_because": verdict, "dense_model": dense.to_dict()}
         (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")

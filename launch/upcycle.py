@@ -1,7 +1,7 @@
 """Upcycle a dense model into an MoE init dir (sparse upcycling).
 
     python launch/upcycle.py --from DIR --recipe MOE.yaml --out OUT_DIR [--set KEY=VALUE ...]
-                             [--split N] [--noise STD] [--router-std STD] [--seed S]
+                             [--split N] [--noise STD] [--router-std STD] [--seed S] [--shared-fraction F]
     python launch/train.py --config ds_configs/zero1.json --recipe MOE.yaml --init-from OUT_DIR
 
 ``--from``: a run directory of launch/train.py (its newest checkpoint) or an init dir (what
@@ -11,6 +11,8 @@ the dense one / ``--split``. Non-FFN weights are copied; each expert is a copy o
 dense SwiGLU MLP (``--split N``: one of N slices of its inner dimension; expert e = slice e mod N
 of copy e // N), times ``1 + STD * N(0, 1)`` with ``--noise`` (multiplicative); the router is
 normal(0, ``--router-std``), default the recipe's init_std, or zeros with ``--split`` > 1.
+With shared experts the shared FFN is a copy of the MLP carrying ``--shared-fraction`` of its
+output at init (default 0.5), the routed experts the rest.
 The last line says whether the MoE computes the dense model's function at init and, if not, why
 (see interop/upcycle.py and docs/upcycling.md). OUT_DIR must not exist. Bad input: one line on
 stderr, exit code 2.
@@ -47,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="std of the router's normal init (default: model.init_std; 0 with --split > 1)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of the noise and the router (default 0)")
+    p.add_argument("--shared-fraction", type=float, default=0.5, metavar="F",
+                   help="with shared experts: their share of the MLP's output at init (default 0.5)")
     return p.parse_args(argv)
 
 
@@ -55,7 +59,8 @@ def main(argv=None) -> int:
     try:
         from interop.upcycle import UpcycleOptions, check_out_dir, upcycle
         from training.recipe import load_recipe
-        opts = UpcycleOptions(args.split, args.noise, args.seed, args.router_std).validate()
+        opts = UpcycleOptions(args.split, args.noise, args.seed, args.router_std,
+                              args.shared_fraction).validate()
         check_out_dir(args.out)
         recipe = load_recipe(args.recipe, [s for s in args.set if not s.startswith("ds.")])
         verdict = upcycle(args.source, recipe.model, args.out, opts)

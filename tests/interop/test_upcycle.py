@@ -3,7 +3,8 @@
 (a) In every configuration ``exact_at_init`` calls exact, the upcycled MoE's logits equal the
     dense model's: copies with renormalized top-k (softmax top-1/top-2, sigmoid with groups, in
     eval and in train mode with router jitter), and slices (``--split``) with all experts
-    selected. Tolerance 1e-5 on logits of magnitude ~1: fp32, and the MoE computes the same
+    selected; with shared experts (plain and Qwen2-MoE-gated, the MLP's output split between
+    the shared FFN and the routed experts by ``--shared-fraction``). Tolerance 1e-5 on logits of magnitude ~1: fp32, and the MoE computes the same
     products summed in another order (w*y + (1-w)*y; the slices' partial sums), a few ulps per
     layer (measured <= 3e-7). The configurations it calls inexact differ by > 1e-3, so the
     check can fail.
@@ -75,6 +76,17 @@ EXACT = {
          "model.moe.routed_scaling_factor=2.0"), {"split": 2}),
     "split 4, 2 copies, E=8, all selected, scale 4": (
         ("model.ffn_hidden_size=32", "model.moe.top_k=8", "model.moe.routed_scaling_factor=4.0"),
+        {"split": 4}),
+    "copies + shared expert, sigmoid, 4 groups (DeepSeek-MoE)": (
+        (f"model.ffn_hidden_size={DENSE_FFN}", "model.moe.score_function=sigmoid", "model.moe.n_group=4",
+         "model.moe.topk_group=2", "model.moe.num_shared_experts=1"), {}),
+    "copies + gated shared expert, fraction 0.3 (Qwen2-MoE)": (
+        (f"model.ffn_hidden_size={DENSE_FFN}", "model.moe.num_shared_experts=1",
+         "model.moe.shared_expert_gate=true"), {"shared_fraction": 0.3}),
+    "split 4 via expert_ffn_hidden_size, block 0 dense, shared expert, all selected, scale 4": (
+        (f"model.ffn_hidden_size={DENSE_FFN}", "model.moe.expert_ffn_hidden_size=32", "model.moe.top_k=8",
+         "model.moe.routed_scaling_factor=4.0", "model.moe.first_k_dense=1",
+         f"model.moe.shared_expert_ffn_hidden_size={DENSE_FFN}", "model.moe.num_shared_experts=1"),
         {"split": 4}),
     "split 2, E=2, all selected, unnormalized softmax x 2": (
         ("model.ffn_hidden_size=64", "model.moe.num_experts=2", "model.moe.top_k=2",
@@ -192,6 +204,19 @@ def test_bad_inputs_are_one_line_and_leave_out_untouched(dense_init, tmp_path, c
     assert f"--from {tmp_path / 'missing'}: no such directory" in line
     line = _refused(capsys, ["--from", str(dense_init), *base, "--noise", "-1"])
     assert "--noise (-1.0)" in line
+    line = _refused(capsys, ["--from", str(dense_init), *base, "model.ffn_hidden_size=32",
+                             "model.moe.num_shared_experts=2", "--split", "4"])            # shared FFN 2 x 32 = 64
+    assert ("shared experts' inner size (64)" in line
+            and "--set model.moe.shared_expert_ffn_hidden_size=128" in line)
+    line = _refused(capsys, ["--from", str(dense_init), *base, "model.moe.expert_ffn_hidden_size=64",
+                             "model.ffn_hidden_size=128", "--split", "4"])
+    assert "model.moe.expert_ffn_hidden_size (64)" in line and "=32" in line
+    line = _refused(capsys, ["--from", str(dense_init), *base, "model.ffn_hidden_size=64",
+                             "model.moe.first_k_dense=1", "--split", "2"])
+    assert "model.ffn_hidden_size (64) is the MLP of the blocks that stay dense" in line
+    line = _refused(capsys, ["--from", str(dense_init), *base, "model.ffn_hidden_size=128",
+                             "--shared-fraction", "1.5"])
+    assert "--shared-fraction (1.5)" in line
     assert not out.exists()
 
     out.mkdir()
