@@ -1,8 +1,8 @@
 """Dense vs Switch vs Mixtral at equal active parameters, on the same tokens, over several seeds.
 
 Hardware: CPU (one process per run, fp32, gloo); the study in docs/studies/dense-vs-sparse.md
-(250 steps x 2 seeds x 3 families, then 11 sweep runs of 120 steps) took 27 minutes on a shared
-2-core machine. Launch:
+(250 steps x 2 seeds x 3 families, then 11 sweep runs of 120 steps) took 16 min 51 s on a
+2-core machine with another job on the other core. Launch:
 
     python benchmarks/dense_vs_sparse.py --steps 250 --seeds 2 --eval-every 50 --out runs/dvs \\
         [--families dense,switch,mixtral] [--sweeps capacity top_k experts aux] [--sweep-steps N]
