@@ -104,10 +104,14 @@ def test_import_matches_transformers(tmp_path, kind, tie):
         assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.aux_loss_coef) == (8, 2, 0.04)
         assert cfg.moe.capacity_factor is None and cfg.moe.normalize_top_k
     assert all(t.is_contiguous() for t in sd.values())
+    _assert_same_logits(hf_model, cfg, sd)
+
+
+def _assert_same_logits(hf_model, cfg, sd: dict) -> None:
+    """Our model built from ``cfg`` and the imported ``sd`` gives ``hf_model``'s logits (TOL)."""
     ours = Transformer(cfg)
     ours.load_state_dict(sd, strict=True)
     ours.eval()
-
     ids = _ids()
     with torch.no_grad():
         want = hf_model(ids).logits

@@ -26,7 +26,7 @@ from interop import hf as hf_interop
 from launch import convert_hf
 from model.config import MixtralConfig, MoEConfig
 from model.transformer import Transformer
-from tests.interop.test_convert_hf import (_error_line, _fake_run, _ids, _our_loss, _randomize,
+from tests.interop.test_convert_hf import (_assert_same_logits, _error_line, _fake_run, _ids, _our_loss, _randomize,
                                            _tiny_tokenizer)
 
 TOL = 1e-5
@@ -71,16 +71,7 @@ def test_import_matches_transformers(tmp_path, kind):
         assert (moe.first_k_dense, moe.moe_layer_freq) == (0, 2)
         assert (moe.num_shared_experts, moe.shared_ffn_size(cfg.expert_ffn_size), moe.shared_expert_gate) == (1, 48, True)
         assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
-    ours = Transformer(cfg)
-    ours.load_state_dict(sd, strict=True)
-    ours.eval()
-
-    ids = _ids()
-    with torch.no_grad():
-        want = hf_model(ids).logits
-        got = ours(ids).logits
-    assert want.std() > 0.3                      # not a vacuous comparison
-    assert (got - want).abs().max().item() <= TOL
+    _assert_same_logits(hf_model, cfg, sd)
 
 
 ROUNDTRIP = {

@@ -4,8 +4,8 @@
     dense model's: copies with renormalized top-k (softmax top-1/top-2, sigmoid with groups, in
     eval and in train mode with router jitter), and slices (``--split``) with all experts
     selected; with shared experts (plain and Qwen2-MoE-gated, the MLP's output split between
-    the shared FFN and the routed experts by ``--shared-fraction``). Tolerance 1e-5 on logits of magnitude ~1: fp32, and the MoE computes the same
-    products summed in another order (w*y + (1-w)*y; the slices' partial sums), a few ulps per
+    the shared FFN and the routed experts by ``--shared-fraction``). Tolerance 1e-5 on logits
+    of magnitude ~1: fp32, and the MoE computes the same products summed in another order (w*y + (1-w)*y; the slices' partial sums), a few ulps per
     layer (measured <= 3e-7). The configurations it calls inexact differ by > 1e-3, so the
     check can fail.
 (b) ``--noise s`` moves the logits by O(s): more than 100x the exact tolerance, less than
