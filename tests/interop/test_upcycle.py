@@ -6,8 +6,8 @@
     selected; with shared experts (plain and Qwen2-MoE-gated, the MLP's output split between
     the shared FFN and the routed experts by ``--shared-fraction``). Tolerance 1e-5 on logits
     of magnitude ~1: fp32, and the MoE computes the same products summed in another order
-    (w*y + (1-w)*y; the slices' partial sums), a few ulps per layer (measured <= 3e-7). The configurations it calls inexact differ by > 1e-3, so the
-    check can fail.
+    (w*y + (1-w)*y; the slices' partial sums), a few ulps per layer (measured <= 3e-7). The
+    configurations it calls inexact differ by > 1e-3, so the check can fail.
 (b) ``--noise s`` moves the logits by O(s): more than 100x the exact tolerance, less than
     5 s x max|logit| (first order, each expert weight moves by a relative s; measured 1.2 s x
     max|logit| at s = 0.01 with these MLP-heavy weights), and ten times the noise moves them
