@@ -3,6 +3,7 @@ DeepSpeed JSON, same tokens per step.
 
     python benchmarks/end_to_end.py                       # CPU: 1 process, fp32 ZeRO-1, tiny and mid
     python benchmarks/end_to_end.py --config ds_configs/zero1.json --sizes mid --steps 30   # a GPU, bf16
+    python benchmarks/end_to_end.py --op-profile --sizes mid      # where forward+backward spend time
 
 Both models are built from one set of full weights (ours converted with ``interop/hf.py``), and
 each is trained through ``deepspeed.initialize`` with the same JSON: ours by the trainer's own
@@ -19,6 +20,9 @@ The step-time breakdown times the engine's ``forward``, ``backward`` and ``step`
 (synchronizing the GPU around each); "other" is the rest of the step: the trainer's host work
 and, with several ranks, communication outside those calls. Steps after ``--warmup`` count;
 medians are reported. Prints a markdown table and the ratio (ours / transformers tokens/s).
+
+``--op-profile``: instead, one forward+backward of each model (loss and router loss, no
+DeepSpeed, one micro-batch) under ``torch.profiler``, with the ops that took the most time.
 """
 
 from __future__ import annotations
@@ -48,7 +52,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per model")
     p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--op-profile", action="store_true", help="profile forward+backward per op instead")
     return p.parse_args(argv)
+
+
+def op_profile(recipe, micro: int, device) -> None:
+    """Each model's forward+backward (the loss it trains on) under the profiler, top ops."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    from interop import hf
+    from model import Transformer
+    cfg = recipe.model
+    ours = Transformer(cfg, init_seed=recipe.train.seed).to(device)
+    theirs = AutoModelForCausalLM.from_config(hf.to_hf_config(cfg)).to(device)
+    theirs.load_state_dict(hf.to_hf_state_dict(cfg, {k: v.detach().cpu() for k, v in ours.state_dict().items()}))
+    theirs.config.output_router_logits = True
+    ids = _batches(cfg, micro, 1, recipe.seq_len, 1, device)[0][0][0]
+
+    def ours_step():
+        out = ours(ids, ids)
+        (out.ce_sum / out.num_target_tokens + ours.router_loss(out)).backward()
+
+    def hf_step():
+        theirs(input_ids=ids, labels=ids).loss.backward()
+
+    for name, step in (("ours", ours_step), ("transformers Mixtral", hf_step)):
+        step(), step()                                       # warm-up
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]
+                     if device.type == "cuda" else [ProfilerActivity.CPU]) as prof:
+            step()
+        print(f"\n{name}:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
 
 
 class PhaseTimer:
@@ -164,6 +198,9 @@ def main(argv=None) -> int:
         ctx = run_setup.init_distributed(recipe)
         ds = run_setup.resolve_ds_config(ds0, recipe)
         micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+        if args.op_profile:
+            op_profile(recipe, micro, ctx.device)
+            continue
         batches = _batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
         tokens = micro * acc * recipe.seq_len
         ours_rows, hf_rows = run_interleaved(recipe, ds, ctx, batches, args.warmup)
@@ -171,6 +208,9 @@ def main(argv=None) -> int:
         results.append((size, recipe.model, summarize(ours_rows, tokens), summarize(hf_rows, tokens),
                         ratio))
 
+    if args.op_profile:
+        run_setup.shutdown()
+        return 0
     print(f"config {args.config}, device {ctx.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; medians over {args.steps - args.warmup} steps (ms)\n")
     print("| size | params | implementation | tokens/s | step | forward | backward | optimizer | other |")
