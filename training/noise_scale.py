@@ -29,7 +29,7 @@ backward hooks), in fp32 or in bf16 with gradients accumulated in bf16 (DeepSpee
 with ``data_types.grad_accum_dtype: fp32`` ZeRO-1 moves ``.grad`` into ``param.grad_accum`` in
 a hook and ZeRO-0's ``BF16_Optimizer`` into its fp32 buffers), not fp16 (whose ``.grad``
 carries the dynamic loss scale). In bf16 the micro-batch gradient is the bf16 one the
-optimizer accumulates, so ``|G_small|^2`` carries bf16's rounding (about 1e-3 relative).
+optimizer accumulates, so ``|G_small|^2`` carries bf16's rounding.
 Elsewhere nothing is logged.
 """
 

@@ -160,7 +160,8 @@ class Stepper:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
         where = self.where
         where.step, where.micro_batch, where.micro_batches = step, None, len(batches)
-        start_balance_step(self.model)          # global-batch balancing counts this step only
+        if self.cfg.moe is not None and self.cfg.moe.global_balance:
+            start_balance_step(self.model)      # global-batch balancing counts this step only
         if self.pipeline:
             return self._pipeline_train_step(step, batches)
         t0 = time.time()
