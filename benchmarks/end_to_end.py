@@ -53,7 +53,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--op-profile", action="store_true", help="profile forward+backward per op instead")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    bad = [s for s in args.sizes.split(",") if s not in SIZES]
+    if bad:
+        p.exit(2, f"end_to_end.py: error: --sizes: {','.join(bad)} is not one of {','.join(SIZES)}\n")
+    if not 0 <= args.warmup < args.steps:
+        p.exit(2, f"end_to_end.py: error: --warmup ({args.warmup}) must be >= 0 and below --steps "
+                  f"({args.steps}): the later steps are timed\n")
+    return args
 
 
 def op_profile(recipe, micro: int, device) -> None:
@@ -230,4 +237,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.run_setup import exit_now
+    exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run

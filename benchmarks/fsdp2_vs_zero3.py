@@ -339,4 +339,5 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from training.run_setup import exit_now
+    exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run

@@ -8,7 +8,8 @@ auxiliary loss off (``aux_loss_coef`` 0), the same seed and data otherwise, one 
 through ``launch/train.py``. Reads ``expert_load_max_over_mean`` (the worst MoE layer's busiest
 expert over the mean, every step) from ``metrics.jsonl`` and prints, per rate: its mean over
 the first and the last ``--window`` steps, the first step from which it stays under
-``--target`` for the rest of the run, and the final training loss.
+``--target`` for the rest of the run, the final training loss, and ``expert_bias_range`` (the
+widest spread max - min of one layer's biases) at the middle step and the last.
 """
 
 from __future__ import annotations
@@ -61,14 +62,18 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.recipe}, aux loss off, {args.steps} steps, {args.config}\n")
     print(f"| bias update rate | load max/mean, steps 1-{args.window} | load max/mean, last {args.window} "
-          f"steps | under {args.target} from step | final loss |")
-    print("|---|---|---|---|---|")
+          f"steps | under {args.target} from step | final loss | bias spread, step {args.steps // 2} | "
+          f"bias spread, step {args.steps} |")
+    print("|---|---|---|---|---|---|---|")
     for rate, rows in results.items():
         loads = [r["expert_load_max_over_mean"] for r in rows]
         first = statistics.mean(loads[:args.window])
         last = statistics.mean(loads[-args.window:])
+        mid, end = (rows[args.steps // 2 - 1].get("expert_bias_range"),
+                    rows[-1].get("expert_bias_range"))
         print(f"| {rate} | {first:.3f} | {last:.3f} | {settled(loads, args.target) or 'never'} | "
-              f"{rows[-1]['loss']:.4f} |")
+              f"{rows[-1]['loss']:.4f} | {mid if mid is None else f'{mid:.4f}'} | "
+              f"{end if end is None else f'{end:.4f}'} |")
     return 0
 
 

@@ -169,18 +169,22 @@ def check_compatible(dense: TransformerConfig, moe_cfg: TransformerConfig, split
     if ffn % split:
         raise ValueError(f"--split ({split}) does not divide the dense model's ffn_hidden_size ({ffn}); "
                          f"fix: choose a --split that divides {ffn}")
-    expert = moe_cfg.expert_ffn_size
-    field = "model.moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size else "model.ffn_hidden_size"
-    if expert != ffn // split:
-        hint = f" or --split {ffn // expert}" if ffn % expert == 0 else ""
-        raise ValueError(f"{field} ({expert}) must be the dense model's ffn_hidden_size / --split = "
-                         f"{ffn} / {split} = {ffn // split}; fix: --set {field}={ffn // split}{hint}")
     dense_blocks = not all(moe_cfg.is_moe_layer(i) for i in range(moe_cfg.num_layers))
     if dense_blocks and moe_cfg.ffn_hidden_size != ffn:
         raise ValueError(f"model.ffn_hidden_size ({moe_cfg.ffn_hidden_size}) is the MLP of the blocks "
                          f"that stay dense, copied from the dense model's ({ffn}); fix: --set "
                          f"model.ffn_hidden_size={ffn} (and model.moe.expert_ffn_hidden_size="
                          f"{ffn // split} for the experts)")
+    expert = moe_cfg.expert_ffn_size
+    # With dense blocks, model.ffn_hidden_size is theirs: the experts' size has its own field.
+    field = ("model.moe.expert_ffn_hidden_size" if moe.expert_ffn_hidden_size or dense_blocks
+             else "model.ffn_hidden_size")
+    if expert != ffn // split:
+        hint = f" or --split {ffn // expert}" if ffn % expert == 0 else ""
+        value = (f"{expert}" if moe.expert_ffn_hidden_size or not dense_blocks
+                 else f"unset, so model.ffn_hidden_size, {expert}")
+        raise ValueError(f"{field} ({value}) must be the dense model's ffn_hidden_size / --split = "
+                         f"{ffn} / {split} = {ffn // split}; fix: --set {field}={ffn // split}{hint}")
     if moe.num_experts % split:
         raise ValueError(f"model.moe.num_experts ({moe.num_experts}) is not a multiple of --split "
                          f"({split}): each copy of the MLP is cut into {split} experts; fix: "

@@ -197,4 +197,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_setup.exit_now(main())     # no interpreter finalization: see run_setup.exit_now

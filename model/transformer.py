@@ -324,6 +324,13 @@ class Transformer(nn.Module):
         for mlp, layer_counts in zip(moe_layers, counts.unbind(0), strict=True):
             mlp.gate.update_bias(layer_counts)
 
+    def expert_biases(self) -> list[tuple[int, torch.Tensor]]:
+        """(MoE layer index, (E,) expert bias) of each router that holds one (loss-free
+        balancing), in layer order."""
+        moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
+        return [(j, mlp.gate.e_score_correction_bias) for j, mlp in enumerate(moe_layers)
+                if mlp.gate.e_score_correction_bias is not None]
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),
         ``-100`` where no target."""

@@ -252,27 +252,28 @@ class TransformerPipe(PipelineModule):
         for block in self._blocks():
             block.moe_stats.clear()
 
-    def add_step_stats(self, stats: torch.Tensor, gas: int) -> None:
-        """Add this rank's values to the trainer's vector ``[ce_sum, target_tokens, nonfinite,
-        aux, z, entropy, dropped, small-batch |G|^2 (unused with stages), counts (L_moe x E),
-        entropy (L_moe), dropped (L_moe)]`` (router values as means over micro-batches, the
-        scalars also over MoE layers, as ``Stepper._accumulate``). Device-side adds only: no
-        communication, no host copy."""
+    def add_step_stats(self, stats: torch.Tensor, gas: int, layout) -> None:
+        """Add this rank's values to the trainer's statistics vector (``layout``, a
+        ``training.step_stats.StatsLayout``): router values as means over micro-batches, the
+        scalars also over MoE layers, as ``StatsLayout.add_micro_batch``. Device-side adds
+        only: no communication, no host copy."""
         for record in self.loss_fn.records:          # (ce_sum, target tokens, loss)
             stats[0] += record[0]
             stats[1] += record[1]
             stats[2] += (~torch.isfinite(record[2])).double()
         if self.cfg.moe is None:
             return
-        layers, experts = self.cfg.num_moe_layers, self.cfg.moe.num_experts
+        layers = self.cfg.num_moe_layers
         for block in self._blocks():
-            j = block.moe_index
             for aux, z, entropy, dropped, counts in block.moe_stats:
                 for i, value in enumerate((aux, z, entropy, dropped)):
                     stats[3 + i] += value.double() / layers / gas
-                stats[8 + j * experts:8 + (j + 1) * experts] += counts.double()
-                stats[8 + layers * experts + j] += entropy.double() / gas
-                stats[8 + layers * (experts + 1) + j] += dropped.double() / gas
+                layout.add_layer(stats, block.moe_index, counts, entropy, dropped, gas)
+
+    def expert_biases(self) -> list[tuple[int, torch.Tensor]]:
+        """(MoE layer index, expert bias) of this stage's routers that hold one."""
+        return [(b.moe_index, b.block.mlp.gate.e_score_correction_bias) for b in self._blocks()
+                if b.block.is_moe and b.block.mlp.gate.e_score_correction_bias is not None]
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import platform
 import socket
 import subprocess
 import random
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -200,6 +203,18 @@ def shutdown() -> None:
     if torch.distributed.is_initialized():
         gc.collect()       # the run's engine and model, with any work handles they still hold
         torch.distributed.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the trainer's process with ``code`` once ``main`` has returned: everything is written,
+    flushed and joined by then (checkpoints, pruning, metrics, W&B) and the process groups are
+    destroyed. Skipping interpreter finalization keeps gloo's and NCCL's worker threads from
+    aborting a finished run there ("terminate called without an active exception", exit -6: a
+    successful job reported as failed; pytorch/pytorch#190489)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ----------------------------------------------------------------------------------------------

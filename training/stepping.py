@@ -33,11 +33,7 @@ from model.moe.layer import start_balance_step
 from model.parallel import comm
 from training import noise_scale
 from training.ds_config import replica_sync_mode
-
-# The statistics vector: [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch
-# |G|^2 (training/noise_scale.py)] (router values as means over MoE layers), then tokens per expert
-# (L_moe x E), then the router entropy (L_moe) and the dropped fraction (L_moe) of each MoE layer.
-_SCALARS = 8
+from training.step_stats import NOISE, StatsLayout
 
 
 @dataclass
@@ -115,6 +111,9 @@ class Stepper:
         self.tokens_seen = (monitor_state or {}).get("tokens", 0)
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
         self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
+        moe = self.cfg.moe
+        self.stats = StatsLayout(len(self.moe_blocks), moe.num_experts if moe else 0,
+                                 bool(moe and moe.expert_bias))      # training/step_stats.py
         self.pipeline = ctx.groups.pp > 1
         self.preemption = None          # a training.preemption.Preemption, set by the trainer
         self.stop_requested = False     # a rank got a preemption signal before this step's end
@@ -137,12 +136,12 @@ class Stepper:
         return {**self.spikes.state(), "tokens": self.tokens_seen, **noise}
 
     def _stats_vector(self, device: torch.device) -> torch.Tensor:
-        """``[ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch |G|^2,
-        counts (L x E), entropy (L), dropped (L), router divergence]`` on the device, L the MoE
-        layers."""
-        experts = self.cfg.moe.num_experts if self.cfg.moe else 0
-        layers = len(self.moe_blocks)
-        return torch.zeros(_SCALARS + layers * (experts + 2) + 1, dtype=torch.float64, device=device)
+        """The step's statistics on the device (``training/step_stats.py``), holding the expert
+        biases this step routes with (the same on every rank that holds a layer)."""
+        stats = self.stats.new(device)
+        self.stats.add_expert_biases(stats, self.model.expert_biases(),
+                                     self.ctx.groups.dp * self.ctx.groups.ep)   # the batch group
+        return stats
 
     def _check_router_replicas(self, step: int, stats: torch.Tensor) -> None:
         """Every ``train.log_every`` steps, put into the statistics how far the router weights,
@@ -183,7 +182,7 @@ class Stepper:
                 self.grad_sync.boundary = i == gas - 1
             engine.backward(loss, scale_wrt_gas=False)
             if i == 0 and self.noise:    # .grad: this micro-batch's gradient (gas >= 2)
-                self.noise.measure(self.model, stats[_SCALARS - 1])
+                self.noise.measure(self.model, stats[NOISE])
             if i == gas - 1:
                 saved_lr = self._prepare_last_step(skip_reason)
                 where.phase = "optimizer step"
@@ -195,7 +194,7 @@ class Stepper:
         (with the logits) is released on return, before the backward and the next forward."""
         out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
         loss = out.ce_sum * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
-        self._accumulate(stats, out, loss.detach(), gas)
+        self.stats.add_micro_batch(stats, out, loss.detach(), gas)
         return loss
 
     def _finish_step(self, step, values, step_loss, saved_lr, skip_reason, t0) -> tuple[dict, dict]:
@@ -220,9 +219,8 @@ class Stepper:
         moe = self.cfg.moe
         if moe is None or moe.expert_bias_update_rate == 0:
             return
-        layers, experts = len(self.moe_blocks), moe.num_experts
-        counts = self._reduced[_SCALARS:_SCALARS + layers * experts]     # (L x E,) float64
-        self.model.update_expert_bias(counts.view(layers, experts))
+        counts = self._reduced[self.stats.counts]            # (L x E,) float64
+        self.model.update_expert_bias(counts.view(self.stats.layers, self.stats.experts))
 
     def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
         """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
@@ -238,7 +236,7 @@ class Stepper:
         # Every value lives on one stage (the losses on the last, each MoE layer's on its own):
         # sum over the ranks that see different tokens, then over the stages.
         stats = self._stats_vector(self.ctx.device)
-        self.model.add_step_stats(stats, gas)        # device-side adds (training/pipeline.py)
+        self.model.add_step_stats(stats, gas, self.stats)   # device-side adds (training/pipeline.py)
         self._check_router_replicas(self.where.step, stats)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
         self._reduced = comm.all_reduce_sum(stats, self.ctx.groups.pp_group)
@@ -260,22 +258,6 @@ class Stepper:
         values = torch.cat((stats, comm.job_sum(flags))).tolist()
         self.saves_written, self.stop_requested = values.pop() == 0, values.pop() > 0
         return values
-
-    def _accumulate(self, stats: torch.Tensor, out, loss: torch.Tensor, gas: int) -> None:
-        # Device-side adds only: no value leaves the device per micro-batch or per layer.
-        stats[0] += out.ce_sum.detach().double()
-        stats[1] += out.num_target_tokens.double()
-        stats[2] += (~torch.isfinite(loss)).double()
-        if out.moe_aux:
-            # Means over micro-batches here, over data-parallel ranks in _moe_stats.
-            entropy = torch.stack([a.entropy for a in out.moe_aux]).double() / gas      # (L,)
-            dropped = torch.stack([a.dropped_frac for a in out.moe_aux]).double() / gas  # (L,)
-            counts = torch.stack([a.tokens_per_expert for a in out.moe_aux]).double()   # (L, E)
-            stats[3] += out.aux_loss.detach().double() / gas
-            stats[4] += out.z_loss.detach().double() / gas
-            stats[5] += entropy.mean()
-            stats[6] += dropped.mean()
-            stats[_SCALARS:-1] += torch.cat([counts.flatten(), entropy, dropped])
 
     def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
         self._spike = False
@@ -334,10 +316,10 @@ class Stepper:
                "tokens": self.tokens_seen, "tokens_per_s": values[1] / step_time,
                "step_time_s": step_time}
         if self.noise:
-            row.update(self.noise.row(values[_SCALARS - 1], row["grad_norm"], applied))
+            row.update(self.noise.row(values[NOISE], row["grad_norm"], applied))
         extra = {}
         if self.moe_blocks:
-            moe_row, extra = self._moe_stats(values)
+            moe_row, extra = self.stats.moe_metrics(values, self.dp_size, self.moe_blocks)
             row.update(moe_row)
         groups = self.ctx.groups
         if self.moe_blocks and groups.tp * groups.ep > 1 and step % self.recipe.train.log_every == 0:
@@ -349,28 +331,6 @@ class Stepper:
         if skip_reason and skip_reason.startswith("loss spike") and self.recipe.train.spike_action == "stop":
             row["stopped"] = skip_reason
         self.ctx.add_gpu_metrics(row, self.flops_per_token)
-        return row, extra
-
-    def _moe_stats(self, values: list[float]) -> tuple[dict, dict]:
-        """The router statistics of a step: means over MoE layers for the metrics row (and the
-        load of the worst layer), and each MoE layer's for W&B as ``moe/layer{i}/...``, ``i``
-        the transformer block's index."""
-        dp, layers, experts = self.dp_size, len(self.moe_blocks), self.cfg.moe.num_experts
-        counts = values[_SCALARS:_SCALARS + layers * experts]
-        entropy = values[_SCALARS + layers * experts:][:layers]
-        dropped = values[_SCALARS + layers * (experts + 1):][:layers]
-        row = {"aux_loss": values[3] / dp, "z_loss": values[4] / dp,
-               "router_entropy": values[5] / dp, "dropped_frac": values[6] / dp}
-        extra, worst = {}, 0.0
-        for j, block in enumerate(self.moe_blocks):
-            tokens = [int(c) for c in counts[j * experts:(j + 1) * experts]]
-            ratio = max(tokens) / max(sum(tokens) / experts, 1e-9)
-            worst = max(worst, ratio)
-            extra[f"moe/layer{block}/load_max_over_mean"] = ratio
-            extra[f"moe/layer{block}/tokens_per_expert"] = tokens
-            extra[f"moe/layer{block}/router_entropy"] = entropy[j] / dp
-            extra[f"moe/layer{block}/dropped_frac"] = dropped[j] / dp
-        row["expert_load_max_over_mean"] = worst         # the worst MoE layer
         return row, extra
 
     @torch.no_grad()

@@ -59,11 +59,13 @@ ROUTER_FIELDS = ("tokens_per_expert", "load_max_over_mean", "router_entropy", "d
 def router_columns(extra: dict) -> dict:
     """Each MoE layer's router statistics from the W&B keys ``moe/layer{i}/<field>``, as
     ``{"blocks": [i, ...], "<field>": [value per block, ...]}`` for ``metrics.jsonl``
-    (``tokens_per_expert``: the step's routed assignments per expert, summed over the ranks)."""
+    (``tokens_per_expert``: the step's routed assignments per expert, summed over the ranks;
+    ``expert_bias``, with loss-free balancing: the bias each expert's choice was shifted by)."""
     blocks = sorted({int(key.split("/")[1][len("layer"):]) for key in extra
                      if key.startswith("moe/layer")})
+    bias = ("expert_bias",) if any(key.endswith("/expert_bias") for key in extra) else ()
     return {"blocks": blocks, **{name: [extra[f"moe/layer{b}/{name}"] for b in blocks]
-                                 for name in ROUTER_FIELDS}}
+                                 for name in ROUTER_FIELDS + bias}}
 
 
 class Tracker:
@@ -114,7 +116,7 @@ class Tracker:
 
     def log(self, row: dict, extra: dict | None = None) -> None:
         """Append one row to metrics.jsonl; W&B also gets ``extra`` (each MoE layer's router
-        statistics, ``moe/layer{i}/...``, see ``Stepper._moe_stats``)."""
+        statistics, ``moe/layer{i}/...``, see ``StatsLayout.moe_metrics`` in training/step_stats.py)."""
         if not self.enabled:
             return
         if extra and self.router_every and row["step"] % self.router_every == 0:

@@ -215,6 +215,10 @@ def test_bad_inputs_are_one_line_and_leave_out_untouched(dense_init, tmp_path, c
                              "model.moe.first_k_dense=1", "--split", "2"])
     assert "model.ffn_hidden_size (64) is the MLP of the blocks that stay dense" in line
     line = _refused(capsys, ["--from", str(dense_init), *base, "model.ffn_hidden_size=128",
+                             "model.moe.first_k_dense=1", "--split", "2"])     # dense blocks keep 128
+    assert ("model.moe.expert_ffn_hidden_size (unset, so model.ffn_hidden_size, 128)" in line
+            and "fix: --set model.moe.expert_ffn_hidden_size=64" in line), line
+    line = _refused(capsys, ["--from", str(dense_init), *base, "model.ffn_hidden_size=128",
                              "--shared-fraction", "1.5"])
     assert "--shared-fraction (1.5)" in line
     assert not out.exists()

@@ -442,3 +442,21 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path
     evals = eval_losses(run_dir)
     assert evals[10] < evals[5] < ln_vocab and evals[10] < ln_vocab - 0.35, evals
     assert result["tokens"] > 100 and result["loss"] < ln_vocab - 0.4, result
+
+
+def test_the_trainer_exits_with_its_code_and_flushed_output_but_no_finalization():
+    """``run_setup.exit_now`` (the end of ``launch/train.py``): the run's code, its buffered
+    stdout, stderr and logging flushed, and no interpreter finalization, where gloo's threads
+    can abort a finished run. An atexit handler stands in for finalization."""
+    script = ("import atexit, logging, sys\n"
+              "atexit.register(lambda: print('FINALIZED', flush=True))\n"
+              "from training.run_setup import exit_now\n"
+              "logging.basicConfig(stream=sys.stderr)\n"
+              "print('stdout line'); sys.stderr.write('stderr line\\n')\n"
+              "logging.getLogger('x').warning('log line')\n"
+              "exit_now(75)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 75, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["stdout line"], out.stdout
+    assert "stderr line" in out.stderr and "log line" in out.stderr, out.stderr

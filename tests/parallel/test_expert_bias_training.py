@@ -134,7 +134,31 @@ def test_layouts_log_the_controls_losses_and_loads(runs, layout):
         if layout != "pp2":                   # the pipeline engine logs no global grad norm
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (layout, a["step"])
         assert b["expert_load_max_over_mean"] == pytest.approx(a["expert_load_max_over_mean"], rel=1e-6)
+        # The biases are bitwise the control's, and each rank adds 1/(dp x ep) of them: exact.
+        assert b["expert_bias_range"] == a["expert_bias_range"], (layout, a["step"])
     assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+def test_the_logged_bias_is_the_one_the_step_routed_with(runs):
+    """``expert_bias_range`` (metrics.jsonl): the widest spread, over MoE layers, of the biases
+    a step routes with: zero at step 1, and at step 4 the spread of the biases the step-3
+    checkpoint saved (float32 values, read back in float64: compared exactly)."""
+    control, off = rows(runs["control"]), rows(runs["ep2-off"])
+    assert control[0]["expert_bias_range"] == 0.0
+    step3 = runs["control"] / "checkpoints" / f"step{STEPS // 2:08d}"
+    state = torch.load(step3 / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    saved = _biases(state)
+    assert len(saved) == 2
+    spread = max(float(b.max()) - float(b.min()) for b in saved.values())
+    assert spread > 0 and control[STEPS // 2]["expert_bias_range"] == spread
+    assert all(r["expert_bias_range"] == 0.0 for r in off)           # rate 0: a frozen bias
+    # Every train.log_every (5) steps the row holds each layer's biases: after 4 updates of
+    # +-RATE (or 0) each, and their widest spread is the row's expert_bias_range.
+    layers = control[4]["moe_layers"]
+    assert layers["blocks"] == [0, 1] and [len(b) for b in layers["expert_bias"]] == [8, 8]
+    for bias in layers["expert_bias"]:
+        assert _on_the_rate_grid(torch.tensor(bias)) and max(abs(b) for b in bias) <= 4 * RATE + 1e-9
+    assert control[4]["expert_bias_range"] == max(max(b) - min(b) for b in layers["expert_bias"])
 
 
 def test_universal_conversion_refuses_a_run_with_an_expert_bias(runs):

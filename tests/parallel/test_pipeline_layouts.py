@@ -78,6 +78,14 @@ def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
             rel = 1e-5 if key == "grad_norm" else 1e-4       # see the module docstring
             assert b[key] == pytest.approx(a[key], rel=rel), (what, key, a["step"], a[key], b[key])
         assert (b["tokens"], b["lr"], b.get("skipped")) == (a["tokens"], a["lr"], None), what
+        # Each MoE layer's values (steps 5 and 10, train.log_every): each stage adds its own
+        # layers' before the sum over stages. Counts of the same routing: exact.
+        assert ("moe_layers" in a) == ("moe_layers" in b) == (a["step"] % 5 == 0), what
+        if "moe_layers" in a:
+            la, lb = a["moe_layers"], b["moe_layers"]
+            assert (lb["blocks"], lb["tokens_per_expert"]) == (la["blocks"], la["tokens_per_expert"]), what
+            assert lb["router_entropy"] == pytest.approx(la["router_entropy"], rel=1e-4), what
+            assert lb["dropped_frac"] == la["dropped_frac"] == [0.0, 0.0], what
     assert ref[-1]["loss"] < ref[0]["loss"]
     # gradient_clipping is 1.0: the control has steps on both sides of it, so the layouts'
     # clipping (our norm at ZeRO-0, DeepSpeed's at ZeRO-1) is compared in both branches.

@@ -13,9 +13,7 @@ from training import stepping  # noqa: E402
 
 
 def host_stats(self, device):
-    experts = self.cfg.moe.num_experts if self.cfg.moe else 0
-    return torch.zeros(stepping._SCALARS + len(self.moe_blocks) * (experts + 2) + 1,
-                       dtype=torch.float64, device="cpu")
+    return torch.zeros(self.stats.size, dtype=torch.float64, device="cpu")
 
 
 stepping.Stepper._stats_vector = host_stats

@@ -34,3 +34,13 @@ def test_op_profile_lists_both_models_top_ops():
     assert "\nours:\n" in out and "\ntransformers Mixtral:\n" in out, out
     assert out.count("aten::mm") >= 2, out                   # the GEMMs, in both tables
     assert "| tiny |" not in out                             # the profile replaces the timing run
+
+
+def test_bad_sizes_and_steps_are_one_line_each():
+    for args, line in ((["--sizes", "tiny,huge"], "--sizes: huge is not one of tiny,mid"),
+                       (["--steps", "2", "--warmup", "2"],
+                        "--warmup (2) must be >= 0 and below --steps (2): the later steps are timed")):
+        proc = subprocess.run([sys.executable, "benchmarks/end_to_end.py", *args], cwd=REPO, env=env(),
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", proc
+        assert proc.stderr.strip().splitlines() == [f"end_to_end.py: error: {line}"], proc.stderr
