@@ -3,7 +3,8 @@
 - ``training.png``: loss (lines) and eval loss (markers), learning rate, gradient norm and
   tokens/s against the optimizer step; one colour per run.
 - ``moe_balance.png`` (MoE runs): the worst layer's max/mean expert load and the dropped
-  fraction against the step, one colour per run.
+  fraction against the step, one colour per run; with an expert bias (loss-free balancing)
+  also the spread of the biases (``expert_bias_range``).
 - ``moe_load_<run>.png`` (MoE runs): per MoE layer, a heatmap of each expert's share of the
   layer's routed tokens times the number of experts (1.0 = an even share), expert x step, from
   the rows that carry ``moe_layers`` (every ``train.log_every`` steps).
@@ -81,7 +82,9 @@ def plot_moe_balance(runs: dict[str, tuple[list[dict], list[dict]]], out: Path) 
            if any("expert_load_max_over_mean" in r for r in train)}
     if not moe:
         return {}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    if any("expert_bias_range" in r for train in moe.values() for r in train):
+        keys += (("expert_bias_range", "expert bias spread, max - min (widest layer)"),)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 3.8), constrained_layout=True)
     drawn: dict = {key: {} for key, _ in keys}
     for ax, (key, title) in zip(axes, keys):
         for i, (name, train) in enumerate(moe.items()):

@@ -3,9 +3,9 @@
     python launch/plot_run.py --run-dir runs/tiny-mixtral [--run-dir runs/other ...] [--out DIR]
 
 Writes ``training.png`` (loss and eval loss, lr, gradient norm, tokens/s), and for MoE runs
-``moe_balance.png`` (max/mean expert load, dropped fraction) and ``moe_load_<run>.png`` (each
-layer's expert x step load heatmap) into ``DIR`` (default ``<first run dir>/plots``), and prints
-their paths. See ``analysis/run_plots.py``. A missing or unreadable run is one line, exit code 2.
+``moe_balance.png`` (max/mean expert load, dropped fraction, expert bias spread) and
+``moe_load_<run>.png`` (each layer's expert x step load heatmap) into ``DIR`` (default
+``<first run dir>/plots``), and prints their paths. See ``analysis/run_plots.py``. A missing or unreadable run is one line, exit code 2.
 """
 
 from __future__ import annotations

@@ -89,6 +89,20 @@ def test_overlay_and_dense_run(runs, tmp_path):
     assert sorted(drawn["loss"]) == ["dense", "mixtral"]
     assert sorted(run_plots.plot_moe_balance(both, tmp_path)["dropped_frac"]) == ["mixtral"]
     assert run_plots.plot_moe_load("dense", both["dense"][0], tmp_path) == {}
+    assert "expert_bias_range" not in run_plots.plot_moe_balance(both, tmp_path)   # no bias
+
+
+def test_the_bias_spread_gets_its_panel(runs, tmp_path):
+    """A loss-free balancing run's ``expert_bias_range`` (here written into a copy of the
+    Mixtral run's rows) is drawn as a third panel, its values as logged."""
+    train, evals = run_plots.read_metrics(runs / "mixtral")
+    biased = [{**r, "expert_bias_range": 0.002 * r["step"]} for r in train]
+    drawn = run_plots.plot_moe_balance({"lfb": (biased, evals), "plain": (train, evals)}, tmp_path)
+    steps = [r["step"] for r in train]
+    assert drawn["expert_bias_range"] == {"lfb": (steps, [0.002 * s for s in steps]), "plain": ([], [])}
+    import matplotlib.image
+    height, width, _ = matplotlib.image.imread(tmp_path / "moe_balance.png").shape
+    assert width >= 3 * 500 and height >= 250, (width, height)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
