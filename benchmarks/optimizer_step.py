@@ -1,0 +1,106 @@
+"""The optimizer step's share of a training step, by torch AdamW implementation: the stock JSON
+(``torch_adam: true``: torch picks the for-loop on CPU, foreach on CUDA) against ``foreach`` and
+``fused`` passed through the JSON's ``optimizer.params``.
+
+    python benchmarks/optimizer_step.py                        # CPU: 1 process, fp32 ZeRO-1, mid size
+    python benchmarks/optimizer_step.py --config ds_configs/zero1.json --steps 30   # a GPU, bf16
+
+In a run, the same choice is ``--set ds.optimizer.params.fused=true``. One model per variant is
+built from the same weights and trained through the trainer's own step (``Stepper.train_step``,
+as ``benchmarks/end_to_end.py`` does) on the same fixed batches, one step of each in turn, so
+that load on a shared machine hits all alike. Prints per variant the median step and optimizer
+time (``engine.step``: DeepSpeed's ZeRO bookkeeping plus torch's update) and tokens/s, the
+speed-up over the stock JSON (median of per-step ratios), and the largest relative difference
+of a step's loss from the stock run's: the implementations round differently, so the losses
+agree to rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import torch  # noqa: E402
+
+import end_to_end  # noqa: E402  (the sizes, batches, trainer build and phase timer)
+
+VARIANTS = {"stock JSON": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="ds_configs/zero1_fp32.json")
+    p.add_argument("--recipe", default="recipes/tiny_mixtral.yaml")
+    p.add_argument("--size", default="mid", choices=sorted(end_to_end.SIZES))
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
+    p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        p.exit(2, f"optimizer_step.py: error: --warmup ({args.warmup}) must be >= 0 and below "
+                  f"--steps ({args.steps}): the later steps are timed\n")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from training import run_setup
+    from training.ds_config import load_ds_config, validate_ds_config
+    from training.recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, end_to_end.SIZES[args.size] + ["model.moe.router_jitter=0.0"])
+    ctx = run_setup.init_distributed(recipe)
+    ds0 = run_setup.resolve_ds_config(validate_ds_config(load_ds_config(args.config), dp_size=1), recipe)
+    micro, acc = ds0["train_micro_batch_size_per_gpu"], ds0["gradient_accumulation_steps"]
+    batches = end_to_end._batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
+    runs = {}
+    for name, extra in VARIANTS.items():
+        ds = copy.deepcopy(ds0)
+        ds["optimizer"]["params"].update(extra)
+        model, timer, step = end_to_end.build_ours(recipe, ds, ctx, args.steps)
+        engine = step.__self__.engine
+        torch_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)   # under ZeRO's
+        for key, value in extra.items():         # DeepSpeed passed the flag through to torch
+            assert torch_optimizer.defaults.get(key) == value, (name, torch_optimizer.defaults)
+        runs[name] = {"timer": timer, "step": step, "rows": [], "losses": []}
+    for i, micro_batches in enumerate(batches, 1):
+        for run in runs.values():
+            with run["timer"].step(run["rows"]):
+                row, _ = run["step"](i, micro_batches)
+            run["losses"].append(row["loss"])
+
+    tokens = micro * acc * recipe.seq_len
+    stock = runs["stock JSON"]
+    print(f"config {args.config}, size {args.size} ({recipe.model.num_params() / 1e6:.1f}M parameters), "
+          f"device {ctx.device}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"medians over {args.steps - args.warmup} steps (ms)\n")
+    print("| optimizer params | step | optimizer | tokens/s | faster than stock | max rel loss diff |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, run in runs.items():
+        timed = run["rows"][args.warmup:]
+        total = statistics.median(r["total"] for r in timed)
+        optim = statistics.median(r["optimizer"] for r in timed)
+        speedup = statistics.median(s["total"] / r["total"]
+                                    for s, r in zip(stock["rows"][args.warmup:], timed))
+        diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], run["losses"]))
+        label = name if not VARIANTS[name] else ", ".join(f'"{k}": true' for k in VARIANTS[name])
+        print(f"| {label} | {1e3 * total:.1f} | {1e3 * optim:.1f} | {tokens / total:,.0f} | "
+              f"{speedup:.2f}x | {diff:.1e} |")
+    run_setup.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    from training.run_setup import exit_now
+    exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run
