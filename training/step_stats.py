@@ -54,9 +54,8 @@ class StatsLayout:
             stats[4] += out.z_loss.detach().double() / gas
             stats[5] += entropy.mean()
             stats[6] += dropped.mean()
-            stats[self.counts] += counts.flatten()
-            stats[self.entropy] += entropy
-            stats[self.dropped] += dropped
+            # counts, entropy and dropped lie next to each other: one add
+            stats[self.counts.start:self.dropped.stop] += torch.cat([counts.flatten(), entropy, dropped])
 
     def add_layer(self, stats: torch.Tensor, j: int, counts, entropy, dropped, gas: int) -> None:
         """One micro-batch's values of MoE layer ``j`` alone (a pipeline stage's blocks)."""
