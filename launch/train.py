@@ -115,12 +115,12 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         if rank0:
             print(f"resumed from {ckpt_dir / checkpoint.tag_for_step(start_step)}", flush=True)
     where.phase = "start-up"
+    config = run_setup.resolved_config(recipe, plan.ds, ctx, plan.dp_size, engine) if rank0 else None
     if rank0:           # after the load: a refused resume writes nothing into the run directory
-        run_setup.write_config(run_dir, recipe, plan.ds, ctx, plan.dp_size)
+        run_setup.write_config(run_dir, config)
         tokenizer.save_pretrained(str(run_dir / "tokenizer"))
     stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
-    tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step,
-                                                 plan.ds, ctx, plan.dp_size)
+    tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step, config)
     code, preempted, stepper.preemption = 0, False, preemption.Preemption(tcfg.preemption_signals, rank0)
     saver = stepper.saver = saving.Saver(engine, ckpt_dir, tcfg.keep_last, tcfg.async_save, tcfg.on_save_error == "stop")
 

@@ -327,13 +327,24 @@ def _git_commit() -> str | None:
         return None
 
 
-def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) -> dict:
+def optimizer_summary(engine) -> dict:
+    """The optimizer DeepSpeed built from the JSON: the class that runs the update (``torch_adam``,
+    ``fused``/``foreach`` and ``offload_optimizer`` decide it: torch's ``AdamW``, ``FusedAdam``,
+    ``DeepSpeedCPUAdam``, ...) and the ZeRO or mixed-precision wrapper around it."""
+    inner = engine.basic_optimizer or engine.optimizer
+    flags = {k: inner.defaults[k] for k in ("foreach", "fused") if inner.defaults.get(k) is not None}
+    return {"update": f"{type(inner).__module__}.{type(inner).__qualname__}", **flags,
+            "wrapper": None if engine.optimizer is inner else type(engine.optimizer).__name__}
+
+
+def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int, engine=None) -> dict:
     import deepspeed
     import transformers
     par = recipe.parallel
     return {
         "recipe": recipe.to_dict(),
         "ds_config": ds,
+        "optimizer": optimizer_summary(engine) if engine is not None else None,
         "world": {"world_size": ctx.world_size, "data_parallel_size": dp_size,
                   "tensor_parallel_size": par.tensor_parallel_size,
                   "expert_parallel_size": par.expert_parallel_size,
@@ -346,13 +357,13 @@ def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) ->
     }
 
 
-def write_config(run_dir: Path, recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int) -> None:
-    atomic_write(run_dir / "config.json", json.dumps(resolved_config(recipe, ds, ctx, dp_size), indent=2) + "\n")
+def write_config(run_dir: Path, config: dict) -> None:
+    atomic_write(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 
-def build_tracking(recipe: Recipe, run_dir: Path, rank0: bool, start_step: int, ds: dict,
-                   ctx: DistContext, dp_size: int):
-    config = resolved_config(recipe, ds, ctx, dp_size) if rank0 else None
+def build_tracking(recipe: Recipe, run_dir: Path, rank0: bool, start_step: int, config: dict | None):
+    """The metrics writer (and W&B, whose run config is ``config``: rank 0's ``resolved_config``)
+    and the progress line."""
     tracker = Tracker(run_dir, rank0, recipe.tracking, config,
                       resume_step=start_step if start_step else None, run_name=recipe.name,
                       router_every=recipe.train.log_every)

@@ -7,7 +7,7 @@
     _stability_run.py --trainer SPIKE_STEP TRAIN_ARGS...
         ``launch.train.main(TRAIN_ARGS)`` with the final norm's output scaled 30x in every
         training forward of optimizer step SPIKE_STEP (a finite loss spike), as a user's run
-        would meet one.
+        would meet one; also under torchrun, e.g. with a pipeline (the last stage's norm).
 """
 
 import json
@@ -22,6 +22,12 @@ from training import ds_config, run_setup, stepping  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 
 SPIKE_SCALE = 30.0
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """The weights this rank holds: under ZeRO-3 the parameter is an empty placeholder between
+    uses and its values live in the partition ``ds_tensor`` (all of them on one rank)."""
+    return (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach()
 
 
 def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE},1") -> None:
@@ -41,10 +47,10 @@ def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE
     out = []
     for step, value in enumerate(values, start=1):
         scale["value"] = value
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        before = {n: local(p).clone() for n, p in model.named_parameters()}
         row, _ = stepper.train_step(step, batch)
-        changed = any(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
-        finite = all(torch.isfinite(p).all() for p in model.parameters())
+        changed = any(not torch.equal(before[n], local(p)) for n, p in model.named_parameters())
+        finite = all(torch.isfinite(local(p)).all() for p in model.parameters())
         out.append({"step": step, "loss": row["loss"], "skipped": row.get("skipped"),
                     "stopped": row.get("stopped"), "spike": row.get("spike", False), "changed": changed,
                     "finite": bool(finite), "loss_scale": getattr(engine.optimizer, "cur_scale", None)})
@@ -58,8 +64,12 @@ def trainer_run(spike_step: int, argv: list[str]) -> int:
 
     def build_with_spike(*args, **kwargs):
         model = build_model(*args, **kwargs)
-        model.norm.register_forward_hook(      # evaluation passes (eval mode) are left alone
-            lambda mod, inp, out: out * SPIKE_SCALE if mod.training and now["step"] == spike_step else out)
+        # The final norm: the model's, or under pipeline parallelism the last stage's head.
+        norms = [model.norm] if hasattr(model, "norm") else [
+            m.norm for m in model.modules() if type(m).__name__ in ("HeadPipe", "FinalNormPipe")]
+        for norm in norms:                     # evaluation passes (eval mode) are left alone
+            norm.register_forward_hook(
+                lambda mod, inp, out: out * SPIKE_SCALE if mod.training and now["step"] == spike_step else out)
         return model
 
     def train_step_recorded(self, step, batches):
@@ -72,6 +82,6 @@ def trainer_run(spike_step: int, argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--trainer":
-        sys.exit(trainer_run(int(sys.argv[2]), sys.argv[3:]))
+    if sys.argv[1] == "--trainer":       # leaves as the trainer does (no gloo finalization)
+        run_setup.exit_now(trainer_run(int(sys.argv[2]), sys.argv[3:]))
     stepper_run(*sys.argv[1:])

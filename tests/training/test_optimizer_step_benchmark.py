@@ -1,6 +1,7 @@
 """``benchmarks/optimizer_step.py`` on the tiny recipe, 3 steps: a row per AdamW implementation
-(the script itself asserts that DeepSpeed handed ``foreach`` / ``fused`` to torch), and the
-losses of the three runs agree. A smoke test of the plumbing: timings are not asserted (the
+(the script itself asserts that DeepSpeed built the optimizer each row asks for: torch's AdamW
+with ``foreach`` / ``fused``, ``DeepSpeedCPUAdam`` under offload), and the losses of the four
+runs agree. A smoke test of the plumbing: timings are not asserted (the
 figures live in docs/PERFORMANCE.md, from the script's own output).
 
 Tolerance: the implementations differ only in the rounding of the update, so after 2 updates
@@ -21,8 +22,9 @@ def test_a_row_per_implementation_with_matching_losses():
     proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
-            if line.startswith("| ") and not line.startswith("| optimizer params")]
-    assert [r[0].strip() for r in rows] == ["stock JSON", '"foreach": true', '"fused": true'], proc.stdout
+            if line.startswith("| ") and not line.startswith("| implementation")]
+    assert [r[0].strip() for r in rows] == ["stock JSON", '"foreach": true', '"fused": true',
+                                           "offload, DeepSpeedCPUAdam"], proc.stdout
     for cells in rows:
         step, optimizer, tokens = (float(c.strip().replace(",", "")) for c in cells[1:4])
         assert 0 < optimizer < step and tokens > 0, cells

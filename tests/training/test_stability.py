@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed import free_port
 from tests.runs import REPO, SMALL, env, rows
 
 
@@ -26,7 +27,8 @@ def _run(config: str, action: str, *scales: str) -> list[dict]:
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("config", ["ds_configs/zero0_fp32.json", "ds_configs/zero2.json"])
+@pytest.mark.parametrize("config", ["ds_configs/zero0_fp32.json", "ds_configs/zero2.json",
+                                    "ds_configs/zero3_fp32.json", "ds_configs/zero3.json"])
 def test_nan_step_is_skipped_and_spike_is_skipped(config):
     rows = _run(config, "skip")
     # DeepSpeed's linear warmup spends the first updates at lr 0; by step 3 the weights move.
@@ -48,16 +50,32 @@ def test_spike_is_only_logged_or_stops_when_asked():
     assert stopped[4]["stopped"].startswith("loss spike") and not stopped[4]["changed"]
 
 
-def test_stop_saves_the_weights_from_before_the_spike_and_resumes(tmp_path):
+def _weights(tag_dir: Path) -> dict:
+    """Every tensor a checkpoint holds, by file and name: ``mp_rank_*`` files keep the weights
+    under ``module``, a pipeline's ``layer_*`` files are the layers' state dicts themselves."""
+    out = {}
+    for f in sorted(tag_dir.glob("*model_states.pt")):
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        module = state.get("module") if "module" in state else state
+        out.update({(f.name, k): v for k, v in (module or {}).items() if torch.is_tensor(v)})
+    return out
+
+
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["parallel.pipeline_parallel_size=2"])],
+                         ids=["one-process", "pp2"])
+def test_stop_saves_the_weights_from_before_the_spike_and_resumes(nproc, extra, tmp_path):
     """The trainer with ``spike_action: stop`` and a spike at step 4 (checkpoint every 3 steps):
     step 4 is skipped, ``step00000004`` is written with step 3's weights, the run stops with one
     message, and the same command (here with the spike gone and ``spike_action: log``) resumes
-    at step 5."""
+    at step 5. Under a pipeline the spike is seen on the last stage, and the decision must reach
+    the first stage's weights too (the skip is decided in DeepSpeed's hook before its step)."""
     run_dir = tmp_path / "run"
     args = ["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "6",
-            "--set", *SMALL, "eval.every=0", "train.save_every=3", "train.spike_window=2",
+            "--set", *SMALL, *extra, "eval.every=0", "train.save_every=3", "train.spike_window=2",
             "train.spike_factor=1.5"]
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_stability_run.py"), "--trainer",
+    prefix = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                  "--master_port", str(free_port())] if nproc > 1 else [])
+    out = subprocess.run([*prefix, str(Path(__file__).parent / "_stability_run.py"), "--trainer",
                           "4", *args, "train.spike_action=stop"], cwd=REPO, env=env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -70,13 +88,16 @@ def test_stop_saves_the_weights_from_before_the_spike_and_resumes(tmp_path):
     assert logged[3]["stopped"].startswith("loss spike") and logged[3]["skipped"] == logged[3]["stopped"]
     assert logged[3]["loss"] > 1.5 * logged[2]["loss"]
     assert (ckpt / "latest").read_text().strip() == "step00000004"
-    before, at = (torch.load(next((ckpt / tag).glob("mp_rank_00_model_states.pt")), map_location="cpu",
-                             weights_only=False) for tag in ("step00000003", "step00000004"))
-    assert at["step"] == 4 and before["step"] == 3 and at["data"]["step"] == 4
-    assert before["module"].keys() == at["module"].keys()
-    assert all(torch.equal(before["module"][k], at["module"][k]) for k in at["module"])
+    client = [torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+              for tag in ("step00000003", "step00000004")]
+    assert client[1]["step"] == 4 and client[0]["step"] == 3 and client[1]["data"]["step"] == 4
+    before, at = _weights(ckpt / "step00000003"), _weights(ckpt / "step00000004")
+    assert before.keys() == at.keys() and len(at) > 10
+    assert all(torch.equal(before[k], at[k]) for k in at)
+    if nproc > 1:       # both stages' layers are in the comparison: embedding and head
+        assert {f.split("-")[0] for f, _ in at} >= {"layer_00", "layer_03"}
 
-    resumed = subprocess.run([sys.executable, "launch/train.py", *args, "train.spike_action=log"],
+    resumed = subprocess.run([*prefix, "launch/train.py", *args, "train.spike_action=log"],
                              cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt / 'step00000004'}" in resumed.stdout
