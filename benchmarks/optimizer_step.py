@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import end_to_end  # noqa: E402  (the sizes, batches, trainer build and phase timer)
 
 
-
 def _offload_cpu_adam(ds: dict) -> None:
     ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     del ds["optimizer"]["params"]["torch_adam"]
