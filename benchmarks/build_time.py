@@ -1,8 +1,9 @@
 """How long each rank takes to initialize its weights: the block-wise draw (each rank draws only
-the blocks of its tp/ep shard, ``model/parallel/draw.py``) against the former draw, where every
-rank drew every full tensor from (seed, name) and kept its slice.
+the blocks of its tp/ep shard, ``model/parallel/draw.py``) against the full draw
+(``former_draw``, ``--skip-former`` leaves it out), where every rank draws every full tensor
+from (seed, name) and keeps its slice.
 
-    python benchmarks/build_time.py                          # Mixtral-shaped, 0.57B parameters
+    python benchmarks/build_time.py                          # Mixtral-shaped, 0.428B parameters
     python benchmarks/build_time.py --set model.num_layers=2 # any recipe override
 
 For each layout (TP1 control, TP2, EP2, TP2 x EP2) and each of its ranks, builds the model at that
@@ -37,7 +38,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 def former_draw(name, full_shape, std, seed, blocks=None, spec=()):
-    """The former init: the full tensor from one generator seeded by (seed, name), then the slice."""
+    """The full draw: the full tensor from one generator seeded by (seed, name), then the slice."""
     import zlib
     if std is None or std == 0:
         return take_shard(torch.full(full_shape, 1.0 if std is None else 0.0), spec)

@@ -237,8 +237,13 @@ class CommRecorder:
             splits = a.get("input_split_sizes") or [tensor[0].shape[0] // size] * size
             off_rank = elements - splits[me] * (elements // max(1, tensor[0].shape[0]))
         label = self._labels[-1] if self._labels else (self._pending or {})
+        # A forward comm helper running inside backward is activation checkpointing's recompute
+        # of the forward (a gradient sum is backward work of its own).
+        phase = self.phase
+        if phase == "backward" and self._labels and label.get("kind") != "grad_sync":
+            phase = "recompute"
         self.records.append(dict(
-            op=op, phase=self.phase, group=self._group_name(group),
+            op=op, phase=phase, group=self._group_name(group),
             group_size=dist.get_world_size(group), elements=elements, off_rank=off_rank,
             bytes=sum(t.numel() * t.element_size() for t in tensor),
             shape=list(tensor[0].shape) if tensor else [], kind=label.get("kind", ""),
@@ -463,8 +468,9 @@ def _analyse_one(result: dict, s: Sizes) -> list[Row]:
         rows.append(row)
     order = ("attention", "FFN", "routing", "embedding", "cross", "MoE dispatch", "MoE combine",
              "MoE count", "MoE routed", "replicated", "unexplained")
+    phases = ("forward", "recompute", "backward")
     rows.sort(key=lambda r: (next(i for i, p in enumerate(order) if r.traffic.startswith(p)),
-                             r.phase != "forward"))
+                             phases.index(r.phase)))
     return rows
 
 
@@ -475,7 +481,7 @@ def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> No
         # Sequence parallelism: each rank contributes its shard of every gathered b*s*h: one
         # per region entry forward, and backward one per region exit plus one per entry by
         # column-parallel layers, which store only the shard and gather it again (Megatron).
-        n = 1 if t.startswith("embedding") else layers
+        n = 1 if t.startswith("embedding") else layers    # forward, and its recompute at most
         if row.phase == "backward":
             n += n - (moe if t.startswith("FFN") else 0)    # MoE layers store no gathered input
         row.minimum, row.formula = n * T * h // ctx["tp"], f"{n}·b·s·h/tp (shards)"
@@ -503,16 +509,16 @@ def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> No
         row.formula = f"routed rows·h = {moe}·k·T·h"
         want, want_off = [0] * len(by_rank), [0] * len(by_rank)
         for r, recs in enumerate(by_rank):
-            for module in {x["module"] for x in recs}:
-                rows_, off = expect[(module, label, row.phase)]
+            for module in {x["module"] for x in recs}:      # a recompute resends the forward's
+                rows_, off = expect[(module, label, "forward" if row.phase == "recompute" else row.phase)]
                 want[r] += rows_[r]
                 want_off[r] += off[r]
             got = sum(x["elements"] for x in recs)
             if got != want[r]:
                 row.ok, row.note = False, f"rank {r} sent {got}, routed {want[r]}"
         row.minimum, row.minimum_off = sum(want), sum(want_off)
-        total_T = s.batch * s.seq
-        if row.minimum != moe * s.top_k * total_T * h or row.off_rank != row.minimum_off:
+        total_T, layers_here = s.batch * s.seq, len({x["module"] for x in by_rank[0]})
+        if row.minimum != layers_here * s.top_k * total_T * h or row.off_rank != row.minimum_off:
             row.ok, row.note = False, row.note or "differs from k·T·h / routed off-rank rows"
         pad = sum(s.experts * expect[(m, "max_load")] * h for m in {x["module"] for x in by_rank[0]})
         row.note = row.note or f"padding every expert to the busiest: {pad}"
@@ -554,8 +560,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.add_argument(f"--{f.name.replace('_', '-')}", action="store_true")
         elif f.type in (str, "str"):
             p.add_argument(f"--{f.name.replace('_', '-')}", default=f.default,
-                           help="none, full, attention, moe, experts or every_k:<k> (recomputed forward "
-                                "collectives then count in the backward phase)")
+                           help="none, full, attention, moe, experts or every_k:<k> (collectives of the "
+                                "recomputed forward count in a phase of their own, recompute)")
         else:
             p.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=f.default)
     p.add_argument("--layouts", default=",".join(name for name, *_ in LAYOUTS),

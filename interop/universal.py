@@ -36,8 +36,8 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
     folder = ckpt_dir / tag
     names = [f.name for f in folder.iterdir()]
     if any(n.startswith("layer_") for n in names):
-        raise ValueError(f"{folder}: pipeline-parallel checkpoints cannot be converted yet "
-                         f"(resume at the same pipeline layout)")
+        raise ValueError(f"{folder}: a pipeline-parallel checkpoint has no shard description for "
+                         f"ds_to_universal; resume it at the same pipeline layout")
     if not any(n.endswith("optim_states.pt") for n in names):
         raise ValueError(f"{folder}: a ZeRO-0 checkpoint has no ZeRO optimizer shards for "
                          f"ds_to_universal; ZeRO-0 resumes at another data-parallel size without "

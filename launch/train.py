@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from training import checkpoint, ds_config, preemption, run_setup, saving, stepping  # noqa: E402
+from training import checkpoint, ds_config, hardware, preemption, run_setup, saving, stepping  # noqa: E402
 from planning import oom  # noqa: E402
 from training.recipe import Recipe, apply_overrides, load_recipe  # noqa: E402
 
@@ -64,6 +64,7 @@ class Plan:
     world_size: int
     dp_size: int
     init_from: Path | None
+    config_path: str | None = None      # the DeepSpeed JSON as given, for messages
 
 
 def prepare(args: argparse.Namespace) -> Plan:
@@ -83,11 +84,12 @@ def prepare(args: argparse.Namespace) -> Plan:
     ds = run_setup.resolve_ds_config(ds, recipe)
     ds_config.check_layout(ds, dims)
     run_setup.check_backend(recipe)
+    run_setup.check_precision(ds, args.config)
     run_setup.check_data_source(recipe)
     init_from = run_setup.check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
     run_setup.check_run_dir(run_dir, recipe)
-    return Plan(recipe, ds, run_dir, world_size, dp_size, init_from)
+    return Plan(recipe, ds, run_dir, world_size, dp_size, init_from, args.config)
 
 
 def train(plan: Plan, where: stepping.StepContext) -> int:
@@ -96,6 +98,8 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     ctx = where.dist = run_setup.init_distributed(recipe)   # process groups (gloo on CPU, NCCL on GPU)
     oom.record_memory_history(tcfg.memory_snapshot, ctx.device)   # GPU, when asked
     rank0 = ctx.rank == 0
+    if rank0 and ctx.device.type == "cpu" and (warning := hardware.cpu_bf16_warning(plan.ds, plan.config_path)):
+        print(warning, file=sys.stderr, flush=True)
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
     if rank0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)

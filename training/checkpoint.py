@@ -82,7 +82,7 @@ def _verified_tag(engine, ckpt_dir: Path) -> str | None:
     else:
         raise ValueError(f"no checkpoint in {ckpt_dir} verifies ({', '.join(skipped)}): restore "
                          f"{tags[0]} from a copy, or move {ckpt_dir} aside to start from step 0 "
-                         f"(a checkpoint saved before manifests existed counts as unverified)")
+                         f"(a checkpoint without a manifest counts as unverified)")
     if skipped and engine.global_rank == 0:
         print(f"warning: skipping checkpoints in {ckpt_dir} that do not verify "
               f"({', '.join(skipped)}); resuming from {ckpt_dir / tag}", file=sys.stderr, flush=True)

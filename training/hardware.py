@@ -1,4 +1,5 @@
-"""GPU table and FLOP accounting, shared by the trainer's MFU and the memory estimator.
+"""GPU table and FLOP accounting, shared by the trainer's MFU and the memory estimator, and the
+CPU's bf16 support.
 
 Peaks are dense (no 2:4 sparsity) bf16 tensor-core figures from NVIDIA's datasheets; H200 has
 H100's compute with more and faster memory.
@@ -6,7 +7,9 @@ H100's compute with more and faster memory.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 
 from model.config import TransformerConfig
 
@@ -62,3 +65,47 @@ def train_flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
     """6 x active matmul params + 6 x layers x hidden x seq (causal attention scores and values:
     12*L*h*s halved by the causal mask)."""
     return 6.0 * matmul_params_per_token(cfg) + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def cpu_has_native_bf16() -> bool | None:
+    """Whether this CPU has the bf16 instructions torch's CPU kernels use for bf16 matrix products
+    (x86: AVX512-BF16 or AMX-BF16; Arm: the BF16 extension); None when it cannot tell. Without
+    them torch computes bf16 through generic fallback kernels, far slower than its fp32 ones."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        import torch
+        try:
+            caps = torch._C._cpu._get_cpu_capability()     # cpuinfo's flags, as torch sees them
+        except (AttributeError, RuntimeError):
+            return None
+        return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    if machine in ("aarch64", "arm64"):
+        try:
+            features = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+        return any("bf16" in line.split() for line in features.splitlines() if line.startswith("Features"))
+    return None
+
+
+def cpu_bf16_warning(ds: dict, config_path: str | None) -> str | None:
+    """One warning line for a bf16 run on a CPU without native bf16, naming the fp32 JSON to use
+    instead (``zero3.json`` -> ``zero3_fp32.json`` when it exists beside it); None otherwise."""
+    if not (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled") or cpu_has_native_bf16() is not False:
+        return None
+    fp32 = Path(config_path).with_name(Path(config_path).stem + "_fp32.json") if config_path else None
+    instead = (f"use {fp32.as_posix()}" if fp32 is not None and fp32.is_file()
+               else 'turn bf16 off ("bf16": {"enabled": false}, or --set ds.bf16.enabled=false)')
+    return (f"warning: this CPU ({_cpu_name()}) has no native bf16 "
+            f"instructions (AVX512-BF16, AMX-BF16 or Arm BF16), so bf16 runs through fallback "
+            f"kernels far slower than fp32; for a CPU run {instead} (this run goes on in bf16 as asked)")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()

@@ -59,7 +59,7 @@ def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[Transforme
     Returns:
         Up to three groups, `{"params", "weight_decay", "name": "decay" | "no_decay" |
         "decay_mup_hidden"[, "lr_scale"]}`; an empty group is left out (DeepSpeed's ZeRO cannot
-        partition an empty group). Without muP exactly the two groups of before.
+        partition an empty group). Without muP: the two groups `"decay"` and `"no_decay"`.
     """
     use_mup = cfg is not None and cfg.mup_base_hidden_size is not None
     decay, no_decay, hidden = [], [], []
@@ -131,7 +131,7 @@ class Lamb(torch.optim.Optimizer):
         r = clamp(||p|| / ||u||, min_coeff, max_coeff), or 1 if either norm is 0
         p = p - lr * r * u
 
-    Two deliberate choices, both documented in ds_configs/README.md:
+    Two deliberate choices, both documented in docs/batch-size-and-lamb.md (LAMB):
     - DeepSpeed's `FusedLamb` computes `r` from the *uncorrected* moments and applies the bias
       correction as a step-size factor `sqrt(1 - b2^t) / (1 - b1^t)` outside `r`, which scales early
       updates down (0.15x at step 12, 0.31x at step 100 with betas (0.9, 0.999)); this class
@@ -291,7 +291,7 @@ def maybe_build_client_optimizer(ds_config: dict, param_groups: List[dict],
                                  device_type: str) -> Tuple[Optional[torch.optim.Optimizer], dict]:
     """Build the optimizer ourselves where DeepSpeed cannot on this accelerator.
 
-    Today that is `Lamb` on "cpu" (DeepSpeed's `FusedLamb` has no CPU kernel). The JSON's
+    That is `Lamb` on "cpu" (DeepSpeed's `FusedLamb` has no CPU kernel). The JSON's
     optimizer section is then removed, since DeepSpeed refuses a client optimizer next to one, and
     the ZeRO flags a non-DeepSpeed optimizer needs are set. `Lion` on CPU without optimizer
     offload is refused with a fix, as DeepSpeed's `FusedLion` would fail later.

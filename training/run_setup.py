@@ -60,6 +60,15 @@ def check_backend(recipe: Recipe) -> None:
                          f"use auto (gloo on CPU) or gloo")
 
 
+def check_precision(ds: dict, config_path: str | None) -> None:
+    """fp16 on a machine without a GPU: refused before the start, in our words (DeepSpeed's CPU
+    accelerator has no fp16 and would stop at engine build with its own message)."""
+    if (ds.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
+        raise ValueError(f"fp16.enabled: {config_path or 'the DeepSpeed JSON'} asks for fp16, which "
+                         f"needs a GPU, and this machine has none: use bf16 or fp32 on a CPU "
+                         f"(e.g. ds_configs/zero2.json or ds_configs/zero2_fp32.json)")
+
+
 def check_data_source(recipe: Recipe) -> None:
     """Resolve the data source now, so a missing file fails before anything is written."""
     corpus_lib.load_documents(recipe.data.source, recipe.data.text_field)

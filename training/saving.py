@@ -198,7 +198,7 @@ def _engine_writes(engine, save: _Save, background: bool):
 
 
 def _snapshot(obj, storages: dict):
-    """``obj`` with every tensor on the host, in storage the training loop no longer writes: each
+    """``obj`` with every tensor on the host, in storage the training loop does not write: each
     storage copied once (a GPU's to the host), views rebuilt on the copies, so that ``torch.save``
     writes the bytes it would have written from the originals (it saves whole storages, shared
     ones once). Containers are rebuilt; other objects (a loss scaler, the client state's

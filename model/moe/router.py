@@ -115,8 +115,8 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
       would send other rows than the first).
     * Replication over tp: the tp ranks of a group route the same tokens, and the row-parallel
       sum adds their partial outputs of the same experts, so they must draw the same noise:
-      their default generators must be seeded alike, from every rank coordinate but tp
-      (Megatron's convention). A generator handed in by the caller would advance between a
+      their default generators must be seeded alike, from no tp coordinate (Megatron's
+      convention; the trainer also leaves out ep, whose noise is seeded per sample). A generator handed in by the caller would advance between a
       forward and its recomputation, and a seed set per micro-batch would have changed by then
       under the pipeline's 1F1B schedule (a later micro-batch's forward runs before an earlier
       one's recomputation). The model cannot verify the seeding without a collective per

@@ -17,8 +17,8 @@ all-gather of the sequence (instead of the identity) and left by a reduce-scatte
 all-reduce); an all-reduce is a reduce-scatter plus an all-gather, so that traffic is the same.
 As in Megatron, backward gathers once more: column-parallel layers store only their input's
 shard and gather it again for their weight gradients. ``column_parallel_linears``, ``enter_tp_region``
-and ``leave_tp_region`` pick the collectives; the norms, whose tokens now differ per tp rank, sum
-their weight gradient over tp.
+and ``leave_tp_region`` pick the collectives; the norms, whose tokens differ per tp rank under
+sequence parallelism, sum their weight gradient over tp.
 """
 
 from __future__ import annotations

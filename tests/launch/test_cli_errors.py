@@ -178,6 +178,10 @@ TRAIN_CASES = [
     ("fp16_and_bf16", lambda w: ["--config", w.json(lambda d: d.update(fp16={"enabled": True},
                                                                         bf16={"enabled": True}))],
      r"ds_config\.fp16\.enabled: True and bf16\.enabled are both true \(enable only one of them\)"),
+    ("fp16_without_a_gpu", lambda w: ["--config", w.json(lambda d: d.update(fp16={"enabled": True},
+                                                                              bf16={"enabled": False}))],
+     r"fp16\.enabled: \S+bad\.json asks for fp16, which needs a GPU, and this machine has none: use "
+     r"bf16 or fp32 on a CPU \(e\.g\. ds_configs/zero2\.json or ds_configs/zero2_fp32\.json\)"),
     ("removed_amp", lambda w: ["--config", w.json(lambda d: d.update(amp={"enabled": True}))],
      r"ds_config\.amp: \{'enabled': True\} was removed in DeepSpeed 0\.19\.8: Apex AMP was removed; "
      r"use \"bf16\" or \"fp16\" \(delete \"amp\"\)"),
@@ -267,7 +271,9 @@ def test_cases_are_distinct():
 
 
 @pytest.mark.parametrize("builder,pattern", [c[1:] for c in TRAIN_CASES], ids=[c[0] for c in TRAIN_CASES])
-def test_train_refuses(builder, pattern, tmp_path, run_dir, pristine, capsys):
+def test_train_refuses(builder, pattern, tmp_path, run_dir, pristine, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # the cases name a CPU machine
     argv = ["--run-dir", str(run_dir), *builder(Inputs(tmp_path, run_dir))]  # a later --run-dir wins
     capsys.readouterr()
     rc = train.main(argv)

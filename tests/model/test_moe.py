@@ -354,7 +354,7 @@ SYNC_CASES = {   # name: (config, host syncs on the grouped kernel path)
                                   num_shared_experts=1, shared_expert_gate=True), []),
 }
 # The per-expert loop (no grouped kernel here, or a CUDA dtype/GPU without it) copies the
-# group sizes to the host once per layer call (it used to be once per projection: 3).
+# group sizes to the host once per layer call, not once per projection (3).
 LOOP_SYNC = ("tolist", "ExpertGroups.sizes")
 
 

@@ -90,8 +90,8 @@ def test_bias_changes_which_experts_are_chosen_not_the_combine_weights():
 
 
 def test_the_default_router_is_unchanged_and_has_no_bias():
-    # Softmax without bias or groups: no buffer (old checkpoints load strictly), and the same
-    # top-k of the same softmax as before.
+    # Softmax without bias or groups: no buffer (checkpoints of models without the bias load
+    # strictly), and the plain top-k of the softmax, renormalized.
     model = Transformer(MixtralConfig(**SIZES, moe=MoEConfig(num_experts=4)).validate())
     assert not [k for k in model.state_dict() if "e_score_correction_bias" in k]
     g = torch.Generator().manual_seed(2)

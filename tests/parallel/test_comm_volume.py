@@ -99,14 +99,19 @@ def test_every_collective_is_explained_and_replicas_sync_once(rows):
 
 def test_experts_checkpointing_does_not_repeat_the_expert_exchange():
     """``moe`` recomputes the whole MoE layer in backward, so its forward exchange runs again
-    (6 k·T·h exchanges per layer instead of 4); ``experts`` recomputes only the expert FFNs
-    between the exchanges and keeps 4."""
+    (6 k·T·h exchanges per layer instead of 4, the repeated ones counted as the ``recompute``
+    phase, each equal to the forward's routed rows); ``experts`` recomputes only the expert FFNs
+    between the exchanges and keeps 4. Every row stays at its minimum, so the documented
+    ``comm_volume.py --activation-checkpointing`` commands exit 0."""
     k, h, tokens = SIZES.top_k, SIZES.hidden, SIZES.batch * SIZES.seq
     for policy, per_layer in (("moe", 6), ("experts", 4)):
         sizes = cv.Sizes(**{**SIZES.__dict__, "activation_checkpointing": policy})
-        got = [r for r in cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
-               if r.scope == "block" and r.traffic.startswith(("MoE dispatch", "MoE combine"))]
+        rows = cv.analyse(cv.run(sizes, ("ep2/mixtral",)))
+        got = [r for r in rows if r.scope == "block" and r.traffic.startswith(("MoE dispatch", "MoE combine"))]
         assert sum(r.elements for r in got) == per_layer * k * tokens * h, (policy, got)
+        phases = {"forward", "backward"} | ({"recompute"} if policy == "moe" else set())
+        assert {r.phase for r in got} == phases, (policy, got)
+        assert [r for r in rows if r.per_token and not r.ok] == [], policy
 
 
 def test_tied_embedding_gradient_is_summed_over_ep_once():

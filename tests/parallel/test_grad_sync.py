@@ -3,8 +3,9 @@
 * "step" mode over 3 micro-batches (sums only at the boundary's backward, in buckets) gives the
   same gradients as "micro_batch" mode (a sum per parameter per backward), to fp32 rounding of
   summing in another order (1e-6).
-* Nothing the autograd graph saves in forward is a view of a parameter (the old ``sync_grad``
-  saved ``param.view_as(param)``): a saved tensor sharing a parameter's storage must be the
+* Nothing the autograd graph saves in forward is a view of a parameter (an autograd op on the
+  parameter, e.g. ``param.view_as(param)``, would save one): a saved tensor sharing a parameter's
+  storage must be the
   parameter itself, whose storage ZeRO-3 swaps out after forward (``param.data`` replaced by an
   empty tensor) and gathers again for backward; a view would keep the gathered tensor alive.
   Checked with ``F.linear`` replaced as ``deepspeed.zero.Init`` replaces it (its

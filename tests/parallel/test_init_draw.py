@@ -4,8 +4,8 @@
   parameter, a tp/ep rank of tiny Mixtral (and Qwen2-MoE-style replicated kv heads, and Qwen3's
   fine-grained experts) draws exactly its shard where its blocks align with it (every split
   here), so at most its shard plus one tile per tensor; the routed experts' 1/(tp ep), and at
-  TP2 under 0.6 of the model's elements (the replicated router and kv heads aside), where every
-  rank drew every full tensor before;
+  TP2 under 0.6 of the model's elements (the replicated router and kv heads aside), where a
+  draw of every full tensor on every rank would be all of them;
 - the shards of TP2, EP2 (both placements) and TP2 x EP2 equal the single-process init's full
   tensors cut by their ``shard_spec``, bitwise;
 - the values: Normal(0, std) per element (the residual projections scaled), deterministic,

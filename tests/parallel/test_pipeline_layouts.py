@@ -15,7 +15,7 @@ DeepSpeed) ride in one launch of each layout.
 Tolerances: fp32. The layouts change only summation orders (split matmuls, all-reduces,
 all-to-alls, and the pipeline back-propagating each stage output separately), ~1e-7 relative
 per op; measured after 10 steps, every logged value agrees to 1.2e-7. Losses, router statistics
-and eval losses are held to relative 1e-4 (the issue's bound). The grad norm is held to 1e-5:
+and eval losses are held to relative 1e-4. The grad norm is held to 1e-5:
 the subtlest counting error, a replicated parameter (norms, router) counted on both tp ranks,
 moves it by only 1.1e-4 at step 1 (measured by breaking the count on purpose), too close to
 1e-4 to be caught reliably. The resumed run repeats the uninterrupted run's arithmetic (same

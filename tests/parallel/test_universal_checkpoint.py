@@ -174,3 +174,6 @@ def test_to_universal_errors_are_one_line(tmp_path):
                run_dir / "checkpoints" / "step00000005" / "mp_rank_00_model_states.pt")
     rc, err = run("--run-dir", str(run_dir))
     assert rc == 2 and len(err.splitlines()) == 1 and "ZeRO-0" in err, err
+    (run_dir / "checkpoints" / "step00000005" / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    rc, err = run("--run-dir", str(run_dir))
+    assert rc == 2 and len(err.splitlines()) == 1 and "pipeline-parallel" in err, err

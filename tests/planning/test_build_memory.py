@@ -30,7 +30,7 @@ def test_build_bytes_closed_forms():
     psi, h, f = cfg.num_params(), cfg.hidden_size, cfg.ffn_hidden_size
     experts = 8 * h * f                          # one stacked expert projection, (E, H, I)
     tile = h * (f // 64)                         # one init tile of it: (1, H, I/64)
-    # Without zero.Init every rank holds its whole shard in fp32: the 187 GB per rank.
+    # Without zero.Init every rank holds its whole shard in fp32: 187 GB per rank.
     old = build_bytes(cfg, Layout(64), _ds("zero2"))
     assert old["params"] == 4 * psi and round(old["params"] / GB) == 187
     assert old["draw"] == 4 * (experts + tile) and old["host"] == 4 * psi + 4 * (experts + tile)
@@ -44,8 +44,9 @@ def test_build_bytes_closed_forms():
     # Offloaded parameters: the partition is built on the host.
     off = build_bytes(cfg, Layout(64), _ds("zero3_offload"))
     assert off["host"] == pytest.approx(off["params"] + off["draw"])
-    # Under tp 2 x ep 8 each rank draws only its shards: now the largest is its half of the
-    # vocabulary rows (plus one tile of 32000 / 64 rows), no longer a full expert projection.
+    # Under tp 2 x ep 8 each rank draws only its shards: the largest is its half of the
+    # vocabulary rows (plus one tile of 32000 / 64 rows), larger than its 1/16 of an expert
+    # projection.
     vocab = cfg.vocab_size * h
     assert experts // 16 + tile < vocab // 2
     assert largest_draw(cfg, Layout(64, tp=2, ep=8)) == vocab // 2 + vocab // 64

@@ -16,17 +16,18 @@ must bound both:
 - optimizer step: the fp32 gradient sub-group and torch AdamW's two single-tensor temporaries
   (``exp_avg_sq.sqrt()`` and its quotient), one copy each of the same group.
 
-Each rank's median over the three steps is asserted. One CI run saw one rank's optimizer step at
-1.25x its bound once, 41 MB above its peer and its other step, which the allocator's running
-total then carried into the next profile; the peaks are now replayed from each profile's own
-events, and every step's peak is printed with the largest allocations alive at it and the ops
-that made them, so that such an outlier names its cause. Each bound must also be tight enough to
-mean something: the median is at least ``TIGHT[phase]`` of it (measured in two runs here: forward+backward 0.57-0.62 at EP2 and
-0.54-0.57 at TP2+SP, optimizer step 0.85-0.92 and 0.90-0.95). Before the optimizer's
-temporaries and ZeRO-3's flat copy of the bucket were counted, the optimizer step measured
-2.6-2.8x the estimator's figure, and EP2's forward+backward 1.1-1.2x. That the
-replicated weights are released after use (not kept gathered until backward) is checked where
-it is visible exactly: ``tests/parallel/test_grad_sync.py`` (no saved view of a parameter).
+Each rank's median over the three steps is asserted. The peaks are replayed from each profile's
+own events: the allocator's running total carries what an earlier profile allocated into the
+next one (41 MB carried so once put one rank's optimizer step at 1.25x its bound). Every step's
+peak is printed with the largest allocations alive at it and the ops that made them, so that an
+outlier names its cause. Each bound must also be tight enough to mean something: the median is
+at least ``TIGHT[phase]`` of it (measured in two runs here: forward+backward 0.57-0.62 at EP2 and
+0.54-0.57 at TP2+SP, optimizer step 0.85-0.92 and 0.90-0.95). Both terms are needed: with
+the optimizer's temporaries and ZeRO-3's flat copy of the bucket left out of the estimate, the
+optimizer step measured 2.6-2.8x the estimator's figure, and EP2's forward+backward 1.1-1.2x.
+That the replicated weights are released after use (not kept gathered until backward) is
+checked where it is visible exactly: ``tests/parallel/test_grad_sync.py`` (no saved view of a
+parameter).
 """
 
 from __future__ import annotations

@@ -282,3 +282,36 @@ def test_deepspeed_initialize_with_client_lamb_and_our_scheduler():
     assert (optimizer, scheduler, moved) == ("Lamb", "LambdaLR", True)
     # 4 steps, auto warmup 1, decay over round(0.2 * 4) = 1 step (1-sqrt to 0): peak lr 1e-3 until the last.
     assert lrs == pytest.approx([1e-3, 1e-3, 1e-3, 0.0])
+
+
+def test_fp16_json_builds_the_dynamic_loss_scaler_the_docs_describe(monkeypatch):
+    """fp16 cannot train on a CPU, but its loss scaler is plain Python: ``fp16.json`` parsed by
+    DeepSpeed and handed to ``CreateLossScaler`` as the engine does gives a dynamic scaler that
+    starts at 2^16, spends the hysteresis (2) on the first overflow, halves on the second, never
+    goes below ``min_loss_scale`` and doubles after ``loss_scale_window`` clean steps. (Finding the
+    overflow is the ZeRO optimizer's own inf/NaN check, GPU-tested in ``tests/test_gpu.py``.)"""
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda group=None: 0)
+    cfg, _ = _prepare(REPO / "ds_configs" / "fp16.json", 1)
+    fp16 = DeepSpeedConfig(copy.deepcopy(cfg), mpu=_FakeMpu(1)).float16_config
+    assert fp16.enabled and fp16.loss_scale == 0                # 0: dynamic
+    scaler = CreateLossScaler(torch.half, fp16.loss_scale, True, fp16.dynamic_loss_scale_args())
+    assert isinstance(scaler, DynamicLossScaler)
+    window = json.loads((REPO / "ds_configs" / "fp16.json").read_text())["fp16"]["loss_scale_window"]
+    assert scaler.cur_scale == 2.0 ** 16 and scaler.scale_window == window
+    scales = []
+    for overflow in (False, False, True, True, False):
+        scaler.update_scale(overflow)
+        scales.append(scaler.cur_scale)
+    assert scales == [2.0 ** 16, 2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+    for _ in range(window):
+        scaler.update_scale(False)
+    assert scaler.cur_scale == 2.0 ** 16                         # doubled after the window
+    floor = CreateLossScaler(torch.half, 0, True, {**fp16.dynamic_loss_scale_args(), "init_scale": 2.0})
+    floor.raise_error_at_min_scale = False
+    for _ in range(6):
+        floor.update_scale(True)
+    assert floor.cur_scale == fp16.dynamic_loss_scale_args()["min_scale"] == 1

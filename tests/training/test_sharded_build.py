@@ -8,7 +8,7 @@ One spawn checks:
   baseline (measured in the same process after imports and process groups, before the build) by
   at most the estimator's build peak (``planning/build_memory.py``: the rank's half of the model,
   1.58 GB, plus the largest module in flight, 0.52 GB) + 10% for the allocator, and by less than
-  3/4 of the full model, which the build without ``zero.Init`` held whole on every rank.
+  3/4 of the full model, which the build without ``zero.Init`` holds whole on every rank.
   Measured: +1.87-1.90 GB on rank 0, +2.02-2.16 GB on rank 1 (which receives ``zero.Init``'s
   broadcasts), against an estimate of 2.11 GB; the build without ``zero.Init`` grows each rank
   by 3.49 GB before ``deepspeed.initialize``. The build takes ~20 s. The engine is initialized
