@@ -6,7 +6,7 @@ Launch:   python benchmarks/mup_coord_check.py --out docs/studies/img           
 
 Both modes train our ``Transformer`` in process (no DeepSpeed): a dense model of 2 blocks with 4
 heads (so the head width grows with the model width and the attention scale matters), byte-level
-tokens (vocab 256) of the embedded corpus (this Python's standard library, ``training/corpus.py``),
+tokens (vocab 256) of the embedded corpus (this Python's standard library, ``data_pipeline/sources.py``),
 plain ``torch.optim.AdamW`` over the param groups the trainer builds (``training.optim.param_groups``
 and ``apply_group_lr_scales``: muP's hidden matrices at lr / m), constant lr, no weight decay.
 muP runs use ``mup_base_hidden_size`` = the smallest width, so at that width the two differ only in
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.config import DenseConfig  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
-from training import corpus as corpus_lib  # noqa: E402
+from data_pipeline.sources import stdlib_files  # noqa: E402
 from training import optim  # noqa: E402
 
 QUANTITIES = ("embedding", "attention", "mlp", "logits")
@@ -46,8 +46,8 @@ QUANTITIES = ("embedding", "attention", "mlp", "logits")
 def corpus_bytes(max_bytes: int = 2_000_000) -> torch.Tensor:
     """Bytes of the embedded corpus (standard-library sources, in key order) as token ids."""
     out, total = [], 0
-    for doc in sorted(corpus_lib.stdlib_documents(), key=lambda d: d.key):
-        data = Path(doc.path).read_bytes()
+    for path, _key in stdlib_files():                      # in key order
+        data = path.read_bytes()
         out.append(data)
         total += len(data)
         if total >= max_bytes:

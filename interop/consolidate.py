@@ -9,6 +9,8 @@ model/parallel/layers.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -127,8 +129,6 @@ def load_run_model(run_dir: Path, tag: str | None = None):
     Returns:
         (model in eval mode, model config, tokenizer)
     """
-    from transformers import AutoTokenizer
-
     from model import Transformer
     from model.config import config_from_dict
 
@@ -140,6 +140,9 @@ def load_run_model(run_dir: Path, tag: str | None = None):
     if tag is None:
         raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "
                          f"(train with save_every, or let the run finish)")
+    if resolved["recipe"].get("data", {}).get("document_masking") and cfg.document_separator_id is None:
+        # The trainer fills the separator in at build time from the run's tokenizer: do the same.
+        cfg = dataclasses.replace(cfg, document_separator_id=_tokenizer(run_dir).eos_token_id)
     stage = int(resolved["ds_config"].get("zero_optimization", {}).get("stage", 0))
     try:
         world = dict(resolved.get("world", {}))
@@ -155,10 +158,14 @@ def load_run_model(run_dir: Path, tag: str | None = None):
         raise ValueError(f"--run-dir {run_dir}: checkpoint {ckpt_dir / tag} cannot be read "
                          f"({type(e).__name__}: {first}); restore it, or delete it and point "
                          f"{ckpt_dir / LATEST} at an older tag") from None
+    return model.eval(), cfg, _tokenizer(run_dir)
+
+
+def _tokenizer(run_dir: Path):
+    from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"))
+        return AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"))
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise ValueError(f"--run-dir {run_dir}: tokenizer/ cannot be loaded ({first}); restore "
                          f"the tokenizer folder train.py saved there") from None
-    return model.eval(), cfg, tokenizer

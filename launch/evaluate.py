@@ -31,7 +31,7 @@ def evaluate_text(model, tokenizer, text: str, seq_len: int, batch_size: int = 8
     ce_sum, count = 0.0, 0
     model.to(device)
     with torch.no_grad():
-        for input_ids, labels in data.validation_batches(tokens, seq_len, layout):
+        for input_ids, labels in data.validation_batches(data.text_windows(tokens, seq_len), layout):
             out = model(input_ids.to(device), labels.to(device))
             ce_sum += out.ce_sum.double().item()
             count += out.num_target_tokens.item()

@@ -6,14 +6,13 @@
 Also runs as ``torchrun --nproc_per_node N launch/train.py ...`` and as plain
 ``python launch/train.py ...`` (one process). Everything the run needs is validated before any
 process group is created or any file written; a bad input is one line on stderr and exit code 2.
-Running out of memory is one line too, exit code 3, with a report and the next layout to try in
-the run directory (``planning/oom.py``). Checkpoints are written in the background while training
-goes on (``training/saving.py``; a save that fails is exit code 74 when it must stop the run).
-Running the same command again with the same run directory resumes from the newest checkpoint
-that matches its manifest (``training/manifest.py``) with the same data order and RNG streams;
-when checkpoints exist but none matches, it stops with one line (exit code 2). A preemption
-signal (``train.preemption_signals``) makes every rank finish its optimizer step, save it, and
-exit with code 75 (``training/preemption.py``).
+Out of memory is one line too, exit code 3, with a report and the next layout to try in the run
+directory (``planning/oom.py``). Checkpoints are written in the background
+(``training/saving.py``; a needed save that fails is exit code 74). The same command with the same
+run directory resumes from the newest checkpoint that matches its manifest
+(``training/manifest.py``) with the same data order and RNG streams, or stops with one line
+(exit code 2) when none matches. A preemption signal (``train.preemption_signals``) makes every
+rank save its step and exit with code 75 (``training/preemption.py``).
 
 The loop is one straight line: recipe -> process groups -> data -> model -> deepspeed.initialize
 -> (forward, backward, step) per micro-batch -> metrics, eval, checkpoint.
@@ -98,17 +97,17 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     ctx = where.dist = run_setup.init_distributed(recipe)   # process groups (gloo on CPU, NCCL on GPU)
     oom.record_memory_history(tcfg.memory_snapshot, ctx.device)   # GPU, when asked
     rank0 = ctx.rank == 0
-    if rank0 and ctx.device.type == "cpu" and (warning := hardware.cpu_bf16_warning(plan.ds, plan.config_path)):
+    if rank0 and (warning := hardware.cpu_bf16_warning(plan.ds, plan.config_path, ctx.device)):
         print(warning, file=sys.stderr, flush=True)
     run_dir, ckpt_dir = plan.run_dir, plan.run_dir / "checkpoints"
-    if rank0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer, corpus = run_setup.build_tokenizer(recipe, plan.init_from, ctx)
-    sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, corpus, plan.dp_size, ctx)
+    tokenizer = run_setup.build_tokenizer(recipe, plan.init_from, ctx)
+    sampler, val_batches = run_setup.build_data(recipe, plan.ds, tokenizer, plan.dp_size, ctx)
 
-    model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups, plan.ds)
+    model = where.model = run_setup.build_model(recipe, plan.init_from, ctx.groups, plan.ds, tokenizer.eos_token_id)
     engine = where.engine = run_setup.build_engine(model, plan.ds, tcfg.steps, ctx.groups, recipe.model)
 
+    if rank0:           # only now: a start refused while the data or model is built writes nothing
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
     start_step, monitor_state = 0, None
     where.phase = "checkpoint load"
     client = checkpoint.load(engine, ckpt_dir)
@@ -139,6 +138,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         where.step, where.micro_batch, where.phase = step, None, "reading the step's batches"
         row, extra = stepper.train_step(step, sampler.batches_for_step(step - 1))
         sampler.step = step
+        row["tokens_by_source"] = sampler.tokens_by_source(step)    # the mixture trained on so far
         tracker.log(row, extra)
         progress.update(row)
         # spike_action "stop": the spiking step was skipped (no weight changed); save that state.
@@ -160,11 +160,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         tag = saver.published if saver.published == checkpoint.tag_for_step(step) else None
         code, stop = (saving.SAVE_FAILED, saver.stop_reason) if saver.stop_reason else (code, stop)
         if stop and rank0:
-            print(f"stopping at step {step}: {stop}; the step was skipped and {ckpt_dir / tag} "
-                  f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
-                  f"train.spike_action=skip) and run the command again to resume" if tag else
-                  f"stopping at step {step}: {stop} and run the same command to resume from "
-                  f"{checkpoint.latest_tag(ckpt_dir)}", file=sys.stderr, flush=True)
+            print(checkpoint.stop_message(step, stop, ckpt_dir, tag), file=sys.stderr, flush=True)
         if preempted and tag and rank0:
             print(f"preempted at step {step}: {ckpt_dir / tag} saved; run the same command "
                   f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)

@@ -198,6 +198,8 @@ class TransformerConfig:
     """MoE settings; None for dense."""
     mup_base_hidden_size: int | None = None
     """muP (model/mup.py): the width the hyperparameters were tuned at; null = standard parametrization."""
+    document_separator_id: int | None = None
+    """Token ending each packed document (EOS): attention stays inside one, positions restart; null = off."""
 
     @property
     def head_dim(self) -> int:
@@ -225,6 +227,10 @@ class TransformerConfig:
             check_int(f"model.{name}", getattr(self, name))
         check_int("model.attn_head_dim", self.attn_head_dim, optional=True)
         check_int("model.mup_base_hidden_size", self.mup_base_hidden_size, optional=True)
+        check_int("model.document_separator_id", self.document_separator_id, low=0, optional=True)
+        if (self.document_separator_id or 0) >= self.vocab_size:
+            raise ValueError(f"model.document_separator_id ({self.document_separator_id}) is not a "
+                             f"token id of model.vocab_size ({self.vocab_size}): use the tokenizer's EOS id")
         if self.attn_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) is not divisible by model.num_heads "

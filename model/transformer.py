@@ -19,6 +19,7 @@ import torch.utils.checkpoint
 from model.checkpointing import CheckpointPolicy
 from model import mup
 from model.config import TransformerConfig
+from model.document_mask import attend, attention_inputs, document_ids
 from model.moe.layer import MoEAux, MoELayer, load_balancing_losses
 from model.parallel.grad_sync import ReplicaGradSync, sum_grad_over
 from model.parallel.groups import ParallelGroups
@@ -68,7 +69,14 @@ class RotaryEmbedding(nn.Module):
         training dtype (DeepSpeed's ``zero.Init`` under bf16) has rounded them."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
-    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype):
+    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype,
+                positions: torch.Tensor | None = None):
+        """cos, sin for positions 0..S-1, (S, hd); or for (B, S) ``positions``, (B, 1, S, hd)."""
+        if positions is not None:            # per document (model/document_mask.py)
+            inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
+            freqs = positions.float()[:, None, :, None] * inv_freq                     # (B, 1, S, hd/2)
+            emb = torch.cat((freqs, freqs), dim=-1)                                     # (B, 1, S, hd)
+            return emb.cos().to(dtype), emb.sin().to(dtype)
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.to(device=device, dtype=torch.float32))  # (S, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)                                          # (S, hd)
@@ -76,13 +84,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, nh, S, hd); cos/sin: (S, hd)."""
+    """x: (B, nh, S, hd); cos/sin: (S, hd), or (B, 1, S, hd) per document."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention through ``F.scaled_dot_product_attention``.
+    """Causal grouped-query attention through ``F.scaled_dot_product_attention``; with a
+    ``mask`` (document masking), only within each packed document (``model/document_mask.py``).
 
     Tensor parallelism splits the query heads over tp, and the kv heads too (or, with fewer kv
     heads than tp ranks, each rank keeps the one kv head its query heads use); ``o_proj`` is row
@@ -111,7 +120,8 @@ class Attention(nn.Module):
         self.groups = g
         self.scale = mup.attention_scale(cfg)          # None: SDPA's 1/sqrt(hd)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mask=None) -> torch.Tensor:
         projs = (self.q_proj, self.k_proj, self.v_proj)
         q, k, v = column_parallel_linears(           # one gradient all-reduce for q, k and v
             x, [p.weight for p in projs], self.groups)
@@ -127,8 +137,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:                    # per head, over hd
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                           enable_gqa=k.shape[1] != self.num_heads)
+        gqa = k.shape[1] != self.num_heads
+        if mask is None:                               # one causal sequence per row
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
+        else:                                          # packed documents apart
+            y = attend(q, k, v, mask, self.scale, gqa)
         y = y.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)               # (B, S, nh*hd)
         return self.o_proj(y)
 
@@ -177,19 +190,20 @@ class Block(nn.Module):
         if self.is_moe:
             self.mlp.checkpoint_experts = policy.name == "experts"
 
-    def _attention(self, x, rope):
-        return self.self_attn(self.input_layernorm(x), rope)
+    def _attention(self, x, rope, mask):
+        return self.self_attn(self.input_layernorm(x), rope, mask)
 
     def _ffn(self, x):
         if self.is_moe:
             return self.mlp(self.post_attention_layernorm(x))
         return self.mlp(self.post_attention_layernorm(x)), None
 
-    def forward(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, MoEAux | None]:
+    def forward(self, x: torch.Tensor, rope, mask=None) -> tuple[torch.Tensor, MoEAux | None]:
+        """``rope`` and ``mask`` from ``attention_inputs`` (mask None: causal)."""
         if self.checkpoint_attention and self.training:
-            x = x + torch.utils.checkpoint.checkpoint(self._attention, x, rope, use_reentrant=False)
+            x = x + torch.utils.checkpoint.checkpoint(self._attention, x, rope, mask, use_reentrant=False)
         else:
-            x = x + self._attention(x, rope)
+            x = x + self._attention(x, rope, mask)
         if self.checkpoint_ffn and self.training:
             y, aux = torch.utils.checkpoint.checkpoint(self._ffn, x, use_reentrant=False)
         else:
@@ -341,13 +355,15 @@ class Transformer(nn.Module):
                              f"parallel.tensor_parallel_size ({self.groups.tp}) under "
                              f"parallel.sequence_parallel")
         x = self.embed_tokens(input_ids)                        # (B, S, H); S/tp under SP
-        rope = self.rotary(input_ids.shape[1], x.device, x.dtype)
+        sep = self.cfg.document_separator_id
+        docs = None if sep is None else document_ids(input_ids, sep)          # (B, S)
+        rope, mask = attention_inputs(self.rotary, input_ids.shape[1], x, docs)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):
             if self.training and layer_idx in self.checkpoint_blocks:
-                x, aux = torch.utils.checkpoint.checkpoint(layer, x, rope, use_reentrant=False)
+                x, aux = torch.utils.checkpoint.checkpoint(layer, x, rope, mask, use_reentrant=False)
             else:
-                x, aux = layer(x, rope)
+                x, aux = layer(x, rope, mask)
             if aux is not None:
                 moe_aux.append(aux)
         x = self.norm(x)

@@ -52,7 +52,7 @@ TOPIC_PAGES = [
     "pipeline-parallelism", "zero-and-fsdp", "activation-checkpointing", "mixed-precision",
     "communication", "checkpoints", "lr-schedules", "batch-size-and-lamb", "weight-decay",
     "accumulation", "stability", "hyperparameters", "dense-vs-sparse", "routers-and-top-k",
-    "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe"]
+    "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe", "data"]
 DOCS = sorted([REPO / "README.md", REPO / "ds_configs" / "README.md",
                REPO / "benchmarks" / "README.md", *(REPO / "docs").glob("*.md"),
                *(REPO / "docs" / "studies").glob("*.md")])
@@ -289,6 +289,8 @@ def _check_command(monkeypatch, tmp_path, line: str, finished) -> None:
             return
         _check_python(monkeypatch, tmp_path, rest[0], rest[1:], env, finished)
     else:
+        if tool == "sbatch":                                 # sbatch's own options first
+            rest = [a for i, a in enumerate(rest) if not all(b.startswith("-") for b in rest[:i + 1])]
         script, args = (rest[0], rest[1:]) if tool in ("bash", "sbatch") else (tool, rest)
         _check_shell(tmp_path, script, args, env)
 

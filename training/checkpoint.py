@@ -255,3 +255,13 @@ def read_run_config(run_dir: Path) -> dict:
         return resolved
     raise ValueError(f"--run-dir {run_dir}: config.json is not one launch/train.py wrote "
                      f"({problem}); restore it or choose another run directory")
+
+
+def stop_message(step: int, reason: str, ckpt_dir: Path, tag: str | None) -> str:
+    """The line a run that stops early prints: with ``tag`` (a spike stop's save of the weights
+    from before the step) what to change; without, where the same command resumes."""
+    if tag:
+        return (f"stopping at step {step}: {reason}; the step was skipped and {ckpt_dir / tag} "
+                f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
+                f"train.spike_action=skip) and run the command again to resume")
+    return f"stopping at step {step}: {reason} and run the same command to resume from {latest_tag(ckpt_dir)}"

@@ -1,44 +1,29 @@
-"""Token streams and batches: documents -> cached token stream -> packed, sharded batches.
+"""Batches for the trainer: the step's packed windows from the blend of ``data.source``.
 
 Nothing here downloads, imports DeepSpeed or calls torch.distributed: ranks and sizes come in as
-ints, and the sample order is seeded PCG64. The documents come from ``training/corpus.py``.
+ints. Which window each sample is, is ``data_pipeline/sampling.py`` (a pure function of the
+sample's position); the sources and their streams are ``training/data_sources.py``.
 
-Cache layout (under `cache_dir`)::
-
-    tokens/{digest16}.npy    # uint16/uint32 token stream, EOS after every document; memory-mapped
-    tokens/{digest16}.json   # what it holds (documents, tokens, timing), for people
-    # digest: sha256 of DATA_FORMAT_VERSION, tokenizer fingerprint, every document's key+fingerprint
-
-Packing: the stream is cut into windows of `seq_len + 1` tokens that overlap by one token, so
-window i is tokens[i*seq_len : (i+1)*seq_len + 1], inputs = window[:-1], labels = window[1:], and
-every token but the first is a label exactly once per epoch.
+Packing: a dataset's stream is cut into windows of ``seq_len + 1`` tokens that overlap by one
+token, window i = tokens[i*seq_len : (i+1)*seq_len + 1], inputs = window[:-1], labels =
+window[1:], so every token but the first is a label exactly once per epoch. The tokenizer's EOS
+ends every document.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-import shutil
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from data_pipeline.sampling import Blend, TokenStream, permute, stable_key
 from model.transformer import IGNORE_INDEX  # the label the loss ignores: padding in eval
-from training.corpus import Document
-from training.tokenization import tokenizer_fingerprint
 
-logger = logging.getLogger(__name__)
-
-# Bump when tokenized-stream layout or packing changes, so stale caches are not reused.
-DATA_FORMAT_VERSION = 1
+# Bump when the sample order or packing changes: a checkpoint of another order is refused.
+DATA_FORMAT_VERSION = 2
 
 
 def _token_dtype(tokenizer: PreTrainedTokenizerFast) -> np.dtype:
@@ -74,73 +59,6 @@ def encode_texts(texts: Sequence[str], tokenizer: PreTrainedTokenizerFast) -> np
     """Tokenizes texts in memory (no cache), EOS after each; e.g. for evaluating a text file."""
     chunks = [t for _, _, t in _encode_batches(((len(x), x) for x in texts), tokenizer, 4_000_000)]
     return np.concatenate(chunks) if chunks else np.zeros(0, _token_dtype(tokenizer))
-
-
-def _write_stream(docs: Sequence[Document], tokenizer, npy_path: Path, log_every: int, batch_bytes: int):
-    """Tokenizes `docs` into a .npy file with bounded memory; returns what it wrote."""
-    dtype, start = _token_dtype(tokenizer), time.perf_counter()
-    stats, logged = {"documents": 0, "bytes": 0, "tokens": 0}, 0
-    raw_path = npy_path.with_suffix(".raw")
-    with raw_path.open("w+b") as raw:
-        texts = ((d.num_bytes, d.read()) for d in docs)
-        for n_docs, n_bytes, tokens in _encode_batches(texts, tokenizer, batch_bytes):
-            raw.write(tokens.tobytes())
-            stats["documents"] += n_docs
-            stats["bytes"] += n_bytes
-            stats["tokens"] += len(tokens)
-            if stats["documents"] // log_every > logged or stats["documents"] == len(docs):
-                logged, secs = stats["documents"] // log_every, time.perf_counter() - start
-                logger.info(
-                    "tokenized %d/%d documents, %.1f MB, %d tokens (%.0f docs/s, %.2f MB/s)",
-                    stats["documents"], len(docs), stats["bytes"] / 1e6, stats["tokens"],
-                    stats["documents"] / secs, stats["bytes"] / 1e6 / secs,
-                )
-        # The .npy header holds the length, known only now: write it, then copy the tokens after it.
-        raw.seek(0)
-        with npy_path.open("wb") as npy:
-            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False}
-            np.lib.format.write_array_header_1_0(npy, {**header, "shape": (stats["tokens"],)})
-            shutil.copyfileobj(raw, npy)
-    raw_path.unlink()
-    return {**stats, "dtype": dtype.name, "seconds": round(time.perf_counter() - start, 3)}
-
-
-def tokenize_documents(
-    docs: Sequence[Document],
-    tokenizer: PreTrainedTokenizerFast,
-    cache_dir: str | os.PathLike,
-    log_every: int = 200,
-    batch_bytes: int = 4_000_000,
-) -> np.ndarray:
-    """Returns the documents' token stream (EOS after each), memory-mapped from `cache_dir/tokens/`.
-
-    The first call tokenizes with the fast tokenizer's batch encoder (about `batch_bytes` per call,
-    a progress line every `log_every` documents) and publishes the file atomically (temporary
-    file, then rename), so concurrent ranks never read a partial one. Later calls only map it.
-
-    Returns:
-        A read-only 1-D uint16 (vocab <= 65536) or uint32 array.
-    """
-    if not docs:
-        raise ValueError("no documents to tokenize; fix: check data.source")
-    fingerprint = tokenizer_fingerprint(tokenizer)
-    h = hashlib.sha256(f"tokens|v{DATA_FORMAT_VERSION}|{fingerprint}".encode())
-    for d in docs:
-        h.update(f"\n{d.key}\t{d.fingerprint}".encode())
-    root = Path(cache_dir) / "tokens"
-    final = root / f"{h.hexdigest()[:16]}.npy"
-    if not final.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        # A private directory beside the target: the renames below stay on one filesystem (atomic),
-        # and a crash leaves only a dot-directory that is never read.
-        with tempfile.TemporaryDirectory(prefix=f".{final.stem}.", dir=root) as tmp:
-            tmp_npy = Path(tmp) / final.name
-            meta = {"format_version": DATA_FORMAT_VERSION, "tokenizer_fingerprint": fingerprint}
-            meta.update(_write_stream(docs, tokenizer, tmp_npy, log_every, batch_bytes))
-            tmp_npy.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
-            os.replace(tmp_npy.with_suffix(".json"), final.with_suffix(".json"))
-            os.replace(tmp_npy, final)  # last: the .npy's presence means the entry is complete
-    return np.load(final, mmap_mode="r")
 
 
 @dataclass(frozen=True)
@@ -180,131 +98,171 @@ class BatchLayout:
 
 def _to_batch(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.from_numpy(windows.astype(np.int64))  # (micro, seq_len + 1)
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    # clone, not contiguous(): with one row both slices are already contiguous views of the same
+    # storage, and masking the labels would write into the inputs.
+    return w[:, :-1].clone(), w[:, 1:].clone()
 
 
-class PackedSampler:
-    """Deterministic, resumable batches of packed windows for one data-parallel rank.
+class BlendedSampler:
+    """Deterministic, resumable batches for one data-parallel rank from a blend of sources.
 
-    Global sample position p (counted from the start of training) maps to epoch p // N and to
-    window perm_epoch[p % N], where N is the number of windows and perm_epoch is a PCG64
-    permutation seeded by (seed, epoch). Optimizer step s consumes positions [s*G, (s+1)*G);
-    rank r takes the contiguous slice [r*G/D, (r+1)*G/D) and splits it into micro-batches. So
-    a step's tokens do not depend on micro-batch size, accumulation or DP size.
+    Optimizer step s consumes the global sample positions [s*G, (s+1)*G); position p comes from
+    source d (``Blend``: each source's share of every prefix within a few samples) as that
+    source's k-th sample, which is its window ``permute(k % N_d, N_d, key(seed, d, k // N_d))``
+    (N_d windows; a new order each epoch of that source). Rank r takes the contiguous slice
+    [r*G/D, (r+1)*G/D) of the step and splits it into micro-batches. So a step's tokens depend
+    on neither the micro-batch size, nor accumulation, nor the data-parallel size, and a resume
+    needs only the step.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, layout: BatchLayout, seed: int) -> None:
+    def __init__(self, streams: Sequence[TokenStream], names: Sequence[str],
+                 weights: Sequence[float] | None, seq_len: int, layout: BatchLayout, seed: int) -> None:
         """Args:
-        tokens: The training token stream (from `tokenize_documents`).
-        seq_len: Model sequence length; windows hold `seq_len + 1` tokens.
+        streams: Each source's training stream.
+        names: Each source as written in ``data.source`` (``tokens_by_source``'s keys).
+        weights: The blend's weights; None weighs each source by its windows.
+        seq_len: Model sequence length; windows hold ``seq_len + 1`` tokens.
         layout: Batch sizes and this rank's place.
-        seed: Sample-order seed (`train.seed`).
+        seed: Sample-order seed (``train.seed``).
         """
         if seq_len < 1:
             raise ValueError(f"seq_len ({seq_len}) must be >= 1")
-        self.tokens, self.seq_len, self.layout, self.seed = tokens, seq_len, layout, seed
-        self.num_samples = (len(tokens) - 1) // seq_len
-        if self.num_samples < 1:
-            raise ValueError(
-                f"the training split has {len(tokens)} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-                "fix: raise data.max_bytes or lower the model's max_seq_len"
-            )
+        self.streams, self.names, self.seq_len, self.layout, self.seed = list(streams), list(names), seq_len, layout, seed
+        self.windows = [s.num_windows(seq_len) for s in self.streams]
+        for name, stream, n in zip(self.names, self.streams, self.windows):
+            if n < 1:
+                raise ValueError(
+                    f"data.source entry {name!r} has {stream.num_tokens} training tokens, fewer than "
+                    f"seq_len + 1 = {seq_len + 1}; fix: add data, raise data.max_bytes or lower the "
+                    f"model's max_seq_len")
+        self.weights = tuple(float(w) for w in (weights if weights is not None else self.windows))
+        self.blend = Blend.of(self.weights, seed)
+        self._keys = [stable_key("windows", seed, i, name) for i, name in enumerate(self.names)]
         self.step = 0  # steps consumed (the trainer sets it); the only state that advances
-        self._perms: dict[int, np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:  # steps move forward: keep only the two newest epochs
-                self._perms.pop(min(self._perms))
-            # Argsort of raw PCG64 output: numpy keeps SeedSequence and bit-generator streams stable
-            # across versions (Generator.permutation carries no such promise).
-            raw = np.random.PCG64(np.random.SeedSequence([self.seed, epoch])).random_raw(self.num_samples)
-            self._perms[epoch] = np.argsort(raw, kind="stable")
-        return self._perms[epoch]
+    @property
+    def num_samples(self) -> int:
+        return sum(self.windows)
 
-    def global_samples(self, step: int) -> np.ndarray:
-        """Window indices the whole step consumes, in order (all ranks together)."""
-        g, n = self.layout.global_batch_size, self.num_samples
-        positions = np.arange(step * g, (step + 1) * g)
-        out = np.empty(g, dtype=np.int64)
-        for epoch in np.unique(positions // n).tolist():  # one epoch, or two at a boundary
-            sel = positions // n == epoch
-            out[sel] = self._perm(epoch)[positions[sel] % n]
-        return out
+    def global_samples(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole step's samples in order (all ranks together): (source, window) each."""
+        g = self.layout.global_batch_size
+        source, k = self.blend.assign(step * g, (step + 1) * g)
+        window = np.empty_like(k)
+        for d in np.unique(source).tolist():
+            mine = source == d
+            n = self.windows[d]
+            epochs = k[mine] // n
+            out = np.empty(int(mine.sum()), dtype=np.int64)
+            for epoch in np.unique(epochs).tolist():        # one epoch, or two at a boundary
+                sel = epochs == epoch
+                out[sel] = permute(k[mine][sel] % n, n, stable_key(self._keys[d], epoch))
+            window[mine] = out
+        return source, window
 
     def batches_for_step(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for optimizer `step`.
+        """This rank's micro-batches for optimizer ``step`` (0-based).
 
         Returns:
-            `grad_accum_steps` pairs (input_ids, labels), each LongTensor (micro, seq_len).
+            ``grad_accum_steps`` pairs (input_ids, labels), each LongTensor (micro, seq_len).
         """
         lay = self.layout
         per_rank = lay.global_batch_size // lay.dp_size
-        mine = self.global_samples(step)[lay.dp_rank * per_rank : (lay.dp_rank + 1) * per_rank]
-        offsets = mine[:, None] * self.seq_len + np.arange(self.seq_len + 1)  # (per_rank, seq_len + 1)
-        windows = self.tokens[offsets.ravel()].reshape(offsets.shape)
+        source, window = self.global_samples(step)
+        mine = slice(lay.dp_rank * per_rank, (lay.dp_rank + 1) * per_rank)
+        source, window = source[mine], window[mine]
+        rows = np.empty((per_rank, self.seq_len + 1), dtype=np.int64)
+        for d in np.unique(source).tolist():
+            sel = source == d
+            rows[sel] = self.streams[d].windows(window[sel], self.seq_len)
         m = lay.micro_batch_size
-        return [_to_batch(windows[i : i + m]) for i in range(0, per_rank, m)]
+        return [_to_batch(rows[i : i + m]) for i in range(0, per_rank, m)]
+
+    def tokens_by_source(self, steps: int) -> dict[str, int]:
+        """Input tokens each source gave in the first ``steps`` optimizer steps, by name."""
+        counts = self.blend.counts(steps * self.layout.global_batch_size)
+        return {name: int(c) * self.seq_len for name, c in zip(self.names, counts.tolist())}
 
     @property
     def epoch(self) -> int:
-        """Epoch of the next step's first sample."""
-        return self.step * self.layout.global_batch_size // self.num_samples
+        """Epoch of the largest source's next sample (for people; the order uses each source's own)."""
+        d = int(np.argmax(self.weights))
+        k = int(self.blend.counts(self.step * self.layout.global_batch_size)[d])
+        return k // self.windows[d]
 
     def state_dict(self) -> dict:
         """Position and what must match on resume (for the checkpoint's client_state)."""
         return {"version": DATA_FORMAT_VERSION, "step": self.step, "epoch": self.epoch, "seed": self.seed,
+                "sources": self.names, "windows": self.windows, "weights": list(self.weights),
                 "num_samples": self.num_samples, "seq_len": self.seq_len,
-                "global_batch_size": self.layout.global_batch_size}
+                "global_batch_size": self.layout.global_batch_size,
+                "tokens_by_source": self.tokens_by_source(self.step)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resumes at `state["step"]`; refuses state from different data or batch settings, which
-        would silently change the sample order."""
+        """Resumes at ``state["step"]``; refuses state from different data, blend or batch
+        settings, which would silently change the sample order."""
         mine = self.state_dict()
-        for name in ("seed", "num_samples", "seq_len", "global_batch_size"):
-            if state[name] != mine[name]:
+        for name in ("version", "seed", "sources", "windows", "weights", "seq_len", "global_batch_size"):
+            theirs = state.get(name)
+            if theirs != mine[name]:
                 raise ValueError(
-                    f"cannot resume the data order: checkpoint has {name}={state[name]}, this run has "
-                    f"{mine[name]}; fix: resume with the same data, seed, sequence length and batch size"
-                )
+                    f"cannot resume the data order: checkpoint has {name}={theirs}, this run has "
+                    f"{mine[name]}; fix: resume with the same data, blend, seed, sequence length "
+                    f"and batch size")
         self.step = int(state["step"])
 
 
+def blended_validation_windows(streams: Sequence[TokenStream], weights: Sequence[float] | None,
+                               seq_len: int, num_windows: int | None) -> np.ndarray:
+    """The validation windows of a blend, in a fixed order (no shuffle): position p is its
+    source's k-th window (``Blend`` with seed 0; each source's windows in stream order, the short
+    last one included); (n, seq_len + 1) int64, -1 past a stream's end."""
+    counts = [s.num_windows(seq_len, partial=True) for s in streams]
+    for n in counts:
+        if n < 1:
+            raise ValueError("a validation split has fewer than 2 tokens; fix: raise "
+                             "data.val_fraction or data.max_bytes, or set data.val_source")
+    total = sum(counts) if num_windows is None else num_windows
+    if len(streams) == 1:
+        return streams[0].windows(np.arange(min(total, counts[0])), seq_len)
+    blend = Blend.of(weights if weights is not None else counts)
+    source, k = blend.assign(0, total)
+    rows = np.empty((total, seq_len + 1), dtype=np.int64)
+    for d in np.unique(source).tolist():
+        sel = source == d
+        rows[sel] = streams[d].windows(k[sel] % counts[d], seq_len)
+    return rows
+
+
 def validation_batches(
-    tokens: np.ndarray, seq_len: int, layout: BatchLayout, num_windows: int | None = None
+    windows: np.ndarray, layout: BatchLayout
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of the first `num_windows` validation windows, in stream order.
+    """This rank's share of the validation ``windows`` ((n, seq_len + 1), -1 past a stream's end),
+    as batches.
 
-    Windows are laid out as in training; the last may be short, its missing labels set to
-    `IGNORE_INDEX`. The window set does not depend on micro-batch or DP size, so neither does the
-    eval loss (sum of token losses / count of non-ignored labels, both summed over DP ranks).
-    Rank r takes the r-th contiguous share; every rank gets the same number of batches (ZeRO-3
-    needs all ranks in every forward), padded with rows of ignored labels.
-
-    Args:
-        tokens: Validation token stream.
-        seq_len: Model sequence length.
-        layout: Its `micro_batch_size` (windows per batch), `dp_size` and `dp_rank` are used.
-        num_windows: How many windows to evaluate (None: all).
-
-    Returns:
-        (input_ids, labels) pairs, LongTensor (micro_batch_size, seq_len) each.
+    The window set does not depend on micro-batch or DP size, so neither does the eval loss (sum
+    of token losses / count of non-ignored labels, both summed over DP ranks). Rank r takes the
+    r-th contiguous share; every rank gets the same number of batches (ZeRO-3 needs all ranks in
+    every forward), padded with rows of ignored labels; labels past a stream's end are
+    ``IGNORE_INDEX``.
     """
-    if len(tokens) < 2:
-        raise ValueError(
-            f"the validation split has {len(tokens)} tokens; fix: raise data.val_fraction or data.max_bytes"
-        )
     micro_batch_size, dp_rank, dp_size = layout.micro_batch_size, layout.dp_rank, layout.dp_size
-    total = -(-(len(tokens) - 1) // seq_len)  # ceil: the short tail window counts too
-    n = total if num_windows is None else min(num_windows, total)
+    n, width = windows.shape
     per_rank = -(-n // dp_size)
     rows = -(-per_rank // micro_batch_size) * micro_batch_size
-    windows = np.zeros((rows, seq_len + 1), dtype=np.int64)
-    valid = np.zeros((rows, seq_len + 1), dtype=bool)
-    first = dp_rank * per_rank
-    for row, w in enumerate(range(first, min(first + per_rank, n))):
-        chunk = np.asarray(tokens[w * seq_len : (w + 1) * seq_len + 1], dtype=np.int64)
-        windows[row, : len(chunk)], valid[row, : len(chunk)] = chunk, True
-    inputs, labels = _to_batch(windows)  # (rows, seq_len) each
+    out = np.full((rows, width), -1, dtype=np.int64)
+    mine = windows[dp_rank * per_rank : min((dp_rank + 1) * per_rank, n)]
+    out[: len(mine)] = mine
+    valid = out >= 0
+    inputs, labels = _to_batch(np.where(valid, out, 0))  # (rows, seq_len) each
     labels[~torch.from_numpy(valid[:, 1:])] = IGNORE_INDEX
     return list(zip(inputs.split(micro_batch_size), labels.split(micro_batch_size)))
+
+
+def text_windows(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """A token array (e.g. ``encode_texts`` of a text file) as validation windows, the short
+    last one included."""
+    stream = TokenStream(((tokens, 0, len(tokens)),))
+    if stream.num_windows(seq_len, partial=True) < 1:
+        raise ValueError(f"the text has {len(tokens)} tokens; at least 2 are needed")
+    return stream.windows(np.arange(stream.num_windows(seq_len, partial=True)), seq_len)

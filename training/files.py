@@ -17,19 +17,25 @@ def atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for_file(path: Path, what: str, poll_s: float = 0.5, log_every_s: float = 60.0) -> None:
-    """Block until ``path`` exists, printing a line every ``log_every_s`` seconds.
+def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,
+                  log_every_s: float = 60.0) -> None:
+    """Block until ``path`` exists, printing a line every ``log_every_s`` seconds; after
+    ``timeout_s`` one ValueError line naming what was waited for and the likely causes.
 
     Ranks wait this way, not in a collective barrier, while one rank does long single-rank work
-    (training the tokenizer, tokenizing a corpus): a barrier would hit the process-group
-    timeout on a large corpus. No timeout here: if the working rank dies, the launcher ends
-    the job.
+    (training the tokenizer, preparing raw text): a barrier would hit the process-group timeout
+    on a large corpus, and a wait on a file costs no collective.
     """
     path = Path(path)
     start = last = time.monotonic()
     while not path.exists():
         time.sleep(poll_s)
         now = time.monotonic()
+        if now - start >= timeout_s:
+            raise ValueError(f"waited {now - start:.0f} s for {what} (marker {path}): rank 0 failed "
+                             f"or is still at it, or the ranks do not share the filesystem of "
+                             f"{path.parent}; fix: see rank 0's output, or prepare the data with "
+                             f"launch/prepare_data.py onto storage every node reads")
         if now - last >= log_every_s:
-            print(f"waiting for {what} ({now - start:.0f} s)", flush=True)
+            print(f"waiting for {what} ({now - start:.0f} s of at most {timeout_s:.0f} s)", flush=True)
             last = now

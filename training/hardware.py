@@ -88,9 +88,12 @@ def cpu_has_native_bf16() -> bool | None:
     return None
 
 
-def cpu_bf16_warning(ds: dict, config_path: str | None) -> str | None:
-    """One warning line for a bf16 run on a CPU without native bf16, naming the fp32 JSON to use
-    instead (``zero3.json`` -> ``zero3_fp32.json`` when it exists beside it); None otherwise."""
+def cpu_bf16_warning(ds: dict, config_path: str | None, device=None) -> str | None:
+    """One warning line for a bf16 run on a CPU (``device``, when given, is the CPU) without
+    native bf16, naming the fp32 JSON to use instead (``zero3.json`` -> ``zero3_fp32.json`` when
+    it exists beside it); None otherwise."""
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        return None
     if not (ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled") or cpu_has_native_bf16() is not False:
         return None
     fp32 = Path(config_path).with_name(Path(config_path).stem + "_fp32.json") if config_path else None

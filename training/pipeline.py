@@ -2,10 +2,16 @@
 
 Layers, in order (each built only on the stage that owns it)::
 
-    EmbeddingPipe                      token ids (B, S)          -> (hidden, aux_sum, z_sum)
-    BlockPipe x num_layers             (hidden, aux_sum, z_sum)  -> (hidden, aux_sum, z_sum)
-    HeadPipe (norm + lm_head)          (hidden, aux_sum, z_sum)  -> (logits, aux_sum, z_sum)
+    EmbeddingPipe                      token ids (B, S)          -> (hidden, aux_sum, z_sum[, docs])
+    BlockPipe x num_layers             (hidden, aux_sum, z_sum[, docs]) -> the same
+    HeadPipe (norm + lm_head)          (hidden, aux_sum, z_sum[, docs]) -> (logits, aux_sum, z_sum)
       or, with tied embeddings, FinalNormPipe + the embedding again (``TiedLayerSpec``)
+
+Document masking (``model.document_separator_id``): only the first stage sees the token ids, so
+it derives each token's document id, (B, S) int32 (this ep rank's rows; the whole sequence, also
+under sequence parallelism), and the stages carry it with the hidden state; each block builds its
+RoPE positions and attention mask from it (``attention_inputs``). Integer stage outputs get no
+gradient in DeepSpeed's schedule; without masking the stage I/O is the three tensors.
 
 Blocks are spread evenly over the stages (``partition_method="type:BlockPipe"``, as Megatron's
 ``type:transformer``); the embedding rides with the first stage, the head with the last.
@@ -65,6 +71,7 @@ from model.parallel.groups import ParallelGroups
 from model.parallel.grad_sync import ReplicaGradSync
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
 from model.checkpointing import CheckpointPolicy
+from model.document_mask import attention_inputs, document_ids
 from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, expert_parallel_rows,
                                init_weights, sequence_length)
 
@@ -76,7 +83,8 @@ def _load(module: nn.Module, init: dict | None) -> None:
 
 
 class EmbeddingPipe(nn.Module):
-    """First layer: token ids -> (hidden, aux_sum, z_sum); also the tied head (``unembed``)."""
+    """First layer: token ids -> (hidden, aux_sum, z_sum), and the document ids under document
+    masking; also the tied head (``unembed``)."""
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
         super().__init__()
@@ -86,17 +94,21 @@ class EmbeddingPipe(nn.Module):
         _load(self, init)
 
     def forward(self, input_ids: torch.Tensor):
-        x = self.embed_tokens(expert_parallel_rows(input_ids, self.groups))             # (B/ep, S, H)
+        input_ids = expert_parallel_rows(input_ids, self.groups)                         # (B/ep, S)
+        x = self.embed_tokens(input_ids)                                                 # (B/ep, S, H)
         # Zeros inside the autograd graph (a sum over no elements of x): DeepSpeed runs backward
         # on every floating-point stage output, so the sums must require grad even on a stage
         # without MoE layers.
         zero = x.flatten()[:0].sum().float()
-        return x, zero, zero.clone()
+        sep = self.cfg.document_separator_id
+        if sep is None:
+            return x, zero, zero.clone()
+        return x, zero, zero.clone(), document_ids(input_ids, sep)                      # docs (B/ep, S)
 
 
 def unembed(embedding: EmbeddingPipe, inputs):
     """``forward_fn`` of the tied head: logits from the shared embedding weight."""
-    x, aux_sum, z_sum = inputs
+    x, aux_sum, z_sum = inputs[:3]
     logits = embedding.embed_tokens(x, unembed=True)                              # (B, S, V)
     return mup.scale_logits(embedding.cfg, logits), aux_sum, z_sum
 
@@ -128,19 +140,19 @@ class BlockPipe(nn.Module):
         return next(iter(self.layers.values()))
 
     def forward(self, inputs):
-        x, aux_sum, z_sum = inputs
-        rope = self.rotary(sequence_length(x, self.groups), x.device, x.dtype)
+        x, aux_sum, z_sum, *docs = inputs                # docs: [(B, S) ids] under document masking
+        rope, mask = attention_inputs(self.rotary, sequence_length(x, self.groups), x, *docs)
         if self.checkpoint_whole and self.training:
-            x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, use_reentrant=False)
+            x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, mask, use_reentrant=False)
         else:
-            x, aux = self.block(x, rope)
+            x, aux = self.block(x, rope, mask)
         if aux is not None:
             balance = load_balancing_losses([aux], self.groups, self.block.mlp.moe.global_balance)[0]
             aux_sum = aux_sum + balance
             z_sum = z_sum + aux.z_loss
             self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,
                                                         aux.dropped_frac, aux.tokens_per_expert)])
-        return x, aux_sum, z_sum
+        return x, aux_sum, z_sum, *docs
 
 
 class FinalNormPipe(nn.Module):
@@ -153,7 +165,7 @@ class FinalNormPipe(nn.Module):
         _load(self, init)
 
     def forward(self, inputs):
-        x, aux_sum, z_sum = inputs
+        x, aux_sum, z_sum = inputs[:3]                   # the document ids end here
         return self.norm(x), aux_sum, z_sum
 
 
@@ -169,7 +181,7 @@ class HeadPipe(nn.Module):
         _load(self, init)
 
     def forward(self, inputs):
-        x, aux_sum, z_sum = inputs
+        x, aux_sum, z_sum = inputs[:3]                   # the document ids end here
         logits = mup.scale_logits(self.cfg, self.lm_head(self.norm(x)))           # (B, S, V)
         return logits, aux_sum, z_sum
 

@@ -21,7 +21,7 @@ from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig, check_int
 from model.parallel.dims import ParallelDims
 
-# Byte-level BPE needs its 256 byte symbols plus the end-of-text token (training/tokenization.py).
+# Byte-level BPE needs its 256 byte symbols plus the end-of-text token (data_pipeline/tokenizer.py).
 _MIN_BPE_VOCAB = 258
 
 
@@ -55,27 +55,29 @@ class ParallelConfig:
 class DataConfig:
     """Where the training text comes from and how it is cut into samples."""
 
-    source: str | tuple[str, ...] = "stdlib"
-    """stdlib (embedded corpus), hf:<dataset>[:split], or local .txt/.jsonl/.parquet paths/globs."""
+    source: str | tuple[str | int | float, ...] = "stdlib"
+    """stdlib, a prepared prefix, raw files/globs or hf:<name> (prepared into the cache); a list, or a blend [w, prefix, ...]."""
+    val_source: str | tuple[str | int | float, ...] | None = None
+    """Held-out data in the same forms; null holds out data.val_fraction of every dataset."""
     text_field: str = "text"
     """Column holding the text in JSONL/parquet/HF records."""
     val_fraction: float = 0.02
-    """Share of the corpus held out for evaluation (split deterministically)."""
+    """Share of each dataset's documents (the last of every shard) held out for evaluation."""
     max_bytes: int | None = None
-    """Cap on corpus bytes read, deterministic; null reads everything."""
+    """Cap on the bytes of raw text prepared per entry, deterministic; null prepares everything."""
     seq_len: int | None = None
     """Tokens per packed sample; null = model.max_seq_len."""
+    document_masking: bool = False
+    """Packed documents attend only within themselves, positions restart after each EOS (Megatron's reset_*)."""
 
     def __post_init__(self) -> None:
-        src = self.source
-        if isinstance(src, str) and src != "stdlib" and not src.startswith("hf:"):
-            src = (src,)  # one local path or glob: normalize so consumers see one shape
-        src = tuple(src) if isinstance(src, list) else src
-        object.__setattr__(self, "source", src)
-        if src in ((), "hf:") or not all(isinstance(p, str) and p for p in self.source):
-            shown = list(src) if isinstance(src, tuple) else src
-            raise ValueError(f"data.source ({shown!r}) is empty: use stdlib, hf:<dataset>[:split] "
-                             f"or [path/*.jsonl, ...]")
+        from training.data_sources import parse_sources
+        for name in ("source", "val_source"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, value := tuple(value))
+            if value is not None:
+                parse_sources(value, f"data.{name}")       # the forms, or one line naming the field
         if not self.text_field:
             raise ValueError("data.text_field ('') is empty: name the text column, e.g. text")
         if not 0.0 < self.val_fraction < 1.0:

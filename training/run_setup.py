@@ -3,6 +3,7 @@ DeepSpeed engine, resolved config and tracking. ``train.py`` reads as the straig
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import NoReturn
 
 import torch
 
-from training import corpus as corpus_lib
+from training import data_sources as sources_lib
 from training import data as data_lib
 from training import checkpoint, optim, schedules
 from training.hardware import detect_gpu, train_flops_per_token
@@ -28,7 +29,7 @@ from training.files import atomic_write, wait_for_file
 from training.recipe_schema import Recipe
 from training.shard_maps import enable_universal_checkpoint
 from training.sharded_build import build_partitioned, builds_partitioned
-from training.tokenization import load_tokenizer
+from data_pipeline.tokenizer import load_local_tokenizer, load_tokenizer, tokenizer_fingerprint
 from training.tracking import MFU_NOTE, Progress, Tracker
 from model import Transformer, TransformerConfig
 from model.parallel import comm
@@ -70,8 +71,10 @@ def check_precision(ds: dict, config_path: str | None) -> None:
 
 
 def check_data_source(recipe: Recipe) -> None:
-    """Resolve the data source now, so a missing file fails before anything is written."""
-    corpus_lib.load_documents(recipe.data.source, recipe.data.text_field)
+    """Every ``data.source`` / ``data.val_source`` entry opens or exists, and ``tokenizer.path``
+    is a tokenizer, so that bad data fails before anything is written."""
+    tokenizer = load_local_tokenizer(recipe.tokenizer.path) if recipe.tokenizer.path else None
+    sources_lib.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
 
 
 def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:
@@ -121,6 +124,7 @@ class DistContext:
     groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
     gpu: object = None             # training.hardware.GPUSpec when on a known GPU
     launch_id: int = 0             # the same on every rank of one launch, new at every launch
+    timeout_s: float = 7200.0      # the longest a rank waits for rank 0's start-up work (a file, not a collective)
 
     def rank0_first(self, name: str, work):
         """``work()`` on rank 0, then on the other ranks, which poll for a marker file meanwhile
@@ -132,7 +136,7 @@ class DistContext:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.touch()
             return result
-        wait_for_file(marker, f"rank 0 to finish: {name}")
+        wait_for_file(marker, f"rank 0 to finish: {name}", self.timeout_s)
         return work()
 
     def end_startup(self) -> None:
@@ -230,52 +234,63 @@ def exit_now(code: int) -> NoReturn:
 # Tokenizer, data, model, engine.
 
 def build_tokenizer(recipe: Recipe, init_from: Path | None, ctx: DistContext):
-    """Rank 0 trains (or loads) the tokenizer first; the other ranks then read the cache. The
-    trainer saves it into the run directory after the checkpoint load, with config.json.
-
-    Returns:
-        (tokenizer, corpus splits), the corpus being reused by ``build_data``.
-    """
+    """The run's tokenizer: ``tokenizer.path``; else the init dir's; else, when ``data.source``
+    is prepared data only, the one its manifests name; else a byte-level BPE trained once on a
+    sample of the raw sources (rank 0 first; the other ranks then read the cache). The trainer
+    saves it into the run directory after the checkpoint load, with config.json."""
     path = recipe.tokenizer.path
     if init_from is not None and path is None and (init_from / "tokenizer").is_dir():
         path = str(init_from / "tokenizer")
-    corpus = corpus_lib.load_corpus(recipe.data.source, recipe.data.text_field,
-                                  recipe.data.val_fraction, recipe.data.max_bytes)
-    vocab = recipe.tokenizer_vocab_size
-
-    def load():
-        return load_tokenizer(path, [d.corpus_item() for d in corpus.train], vocab, CACHE_DIR,
-                              max_train_bytes=recipe.tokenizer.train_bytes)
-    tokenizer = ctx.rank0_first("tokenizer", load)
+    train_specs, _ = sources_lib.all_specs(recipe.data)
+    if path is None and not sources_lib.raw_entries(train_specs):
+        path = sources_lib.prepared_tokenizer_path(train_specs)
+    if path is not None:
+        tokenizer = load_local_tokenizer(path)
+    else:
+        budget = recipe.tokenizer.train_bytes
+        tokenizer = ctx.rank0_first("tokenizer", lambda: load_tokenizer(
+            None, sources_lib.training_sample(recipe.data, budget), recipe.tokenizer_vocab_size,
+            CACHE_DIR, max_train_bytes=budget))
     if len(tokenizer) > recipe.model.vocab_size:
         raise ValueError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the "
                          f"tokenizer ({len(tokenizer)} tokens): raise model.vocab_size")
-    return tokenizer, corpus
+    return tokenizer
 
 
-def build_data(recipe: Recipe, ds: dict, tokenizer, corpus, dp_size: int, ctx: DistContext):
-    """The training sampler for this rank and its validation batches."""
-    seq_len = recipe.seq_len
-    streams = []
-    for split, docs in (("train", corpus.train), ("val", corpus.val)):   # rank 0 caches first
-        streams.append(ctx.rank0_first(f"tokenize {split}",
-                                       lambda docs=docs: data_lib.tokenize_documents(docs, tokenizer, CACHE_DIR)))
+def build_data(recipe: Recipe, ds: dict, tokenizer, dp_size: int, ctx: DistContext):
+    """The training sampler for this rank and its validation batches. Raw sources are prepared
+    into the cache first (rank 0 with worker processes; the other ranks find them prepared);
+    prepared data is only opened, memory-mapped."""
+    small = recipe.data.max_bytes is not None and recipe.data.max_bytes <= 16_000_000
+    workers = 1 if small else max(1, min(8, os.cpu_count() or 1))    # a worker's start costs seconds
+    prepared = ctx.rank0_first("prepare data", lambda: sources_lib.prepare_raw(
+        recipe.data, tokenizer, CACHE_DIR, workers, progress=ctx.rank == 0))
     ctx.end_startup()
-    dp_rank = ctx.groups.dp_rank
-    layout = data_lib.BatchLayout(ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
-                                  dp_size, dp_rank)
-    sampler = data_lib.PackedSampler(streams[0], seq_len, layout, recipe.train.seed)
-    val = data_lib.validation_batches(streams[1], seq_len, layout,
-                                      recipe.eval.batches * ds["train_micro_batch_size_per_gpu"] * dp_size)
-    return sampler, val
+    train, val = sources_lib.open_sources(recipe.data, prepared, recipe.model.vocab_size,
+                                          tokenizer_fingerprint(tokenizer))
+    seq_len, micro = recipe.seq_len, ds["train_micro_batch_size_per_gpu"]
+    layout = data_lib.BatchLayout(ds["train_batch_size"], micro, dp_size, ctx.groups.dp_rank)
+    sampler = data_lib.BlendedSampler([s.train for s in train], [s.name for s in train],
+                                      sources_lib.blend_weights(train), seq_len, layout, recipe.train.seed)
+    held = val if val is not None else train
+    windows = data_lib.blended_validation_windows(
+        [s.train if val is not None else s.val for s in held], sources_lib.blend_weights(held),
+        seq_len, recipe.eval.batches * micro * dp_size)
+    return sampler, data_lib.validation_batches(windows, layout)
 
 
 def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups,
-                ds: dict | None = None) -> Transformer:
+                ds: dict | None = None, eos_token_id: int | None = None) -> Transformer:
     """The model at this rank's layout; every layout starts from the same full weights. With
     pipeline stages, this rank's layers of a ``training.pipeline.TransformerPipe``. Under ZeRO-3
     (``ds``, the run's DeepSpeed JSON) partitioned over dp as it is built, so that no rank ever
-    holds the whole model (``training/sharded_build.py``)."""
+    holds the whole model (``training/sharded_build.py``). With ``data.document_masking`` the
+    tokenizer's ``eos_token_id`` separates the documents (``model/document_mask.py``)."""
+    if recipe.data.document_masking:
+        if eos_token_id is None:
+            raise ValueError("data.document_masking is true but build_model got no eos_token_id")
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(
+            recipe.model, document_separator_id=eos_token_id))      # validated by Recipe
     if builds_partitioned(ds) and recipe.parallel.pipeline_parallel_size == 1:
         ds_for_init, _ = schedules.split_scheduler(ds)    # DeepSpeed's keys only
         model = build_partitioned(recipe.model, groups, ds_for_init, recipe.train.seed, init_from)

@@ -193,7 +193,8 @@ TRAIN_CASES = [
      r"or a torch\.optim\.lr_scheduler class that takes only numbers\)"),
     ("missing_data_file", lambda w: ["--config", w.good, "--set", "data.source=[/nonexistent/x.txt]"],
      r"data\.source entry '/nonexistent/x\.txt' matches no files .*; fix: give an existing "
-     r"\.txt/\.jsonl/\.parquet file or glob, 'hf:<name>\[:split\]', or 'stdlib'"),
+     r"\.txt/\.jsonl/\.parquet file, directory or glob, .*'stdlib', or the prefix of prepared data "
+     r"\(/nonexistent/x\.txt\.bin/\.idx\)"),
     ("tp_not_dividing_heads", lambda w: ["--config", w.good, "--set",
                                          f"parallel.tensor_parallel_size={_heads(w) + 1}"],
      r"parallel\.tensor_parallel_size \((\d+)\) does not divide model\.num_heads \(\d+\): "

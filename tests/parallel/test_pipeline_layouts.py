@@ -48,9 +48,12 @@ CASES = [("pp2xtp2", 0, True), ("pp2xtp2", 1, False), ("pp2xtp2-sp", 1, True),
 KEYS = ("loss", "grad_norm", "aux_loss", "z_loss", "router_entropy", "expert_load_max_over_mean")
 
 
+CLIP = 0.85     # between the control's smallest and largest grad norm (0.74-0.94 over 10 steps)
+
+
 def _config(tmp, stage: int) -> str:
     return ds_variant(tmp, f"zero{stage}_fp32", train_micro_batch_size_per_gpu=4,
-                      gradient_accumulation_steps=2)
+                      gradient_accumulation_steps=2, gradient_clipping=CLIP)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +90,10 @@ def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
             assert lb["router_entropy"] == pytest.approx(la["router_entropy"], rel=1e-4), what
             assert lb["dropped_frac"] == la["dropped_frac"] == [0.0, 0.0], what
     assert ref[-1]["loss"] < ref[0]["loss"]
-    # gradient_clipping is 1.0: the control has steps on both sides of it, so the layouts'
+    # The control has steps on both sides of gradient_clipping (CLIP), so the layouts'
     # clipping (our norm at ZeRO-0, DeepSpeed's at ZeRO-1) is compared in both branches.
     norms = [a["grad_norm"] for a in ref]
-    assert min(norms) < 1.0 < max(norms), norms
+    assert min(norms) < CLIP < max(norms), norms
 
 
 @pytest.mark.parametrize("layout, stage, tied", CASES)

@@ -1,4 +1,4 @@
-"""Tokenizer loading: a user's local HF tokenizer directory, or a byte-level BPE trained and cached.
+"""The tokenizer step: a user's local HF tokenizer directory, or a byte-level BPE trained and cached.
 
 Nothing here downloads. Without `tokenizer.path` the recipe's tokenizer is a byte-level BPE
 (GPT-2 style, so any byte sequence round-trips exactly) trained with `tokenizers` on at most
@@ -13,7 +13,10 @@ Cache layout (under `cache_dir`)::
 
 Every rank may call `load_tokenizer` at once: each trains into a private temporary directory and
 renames it into place, so readers never see a half-written tokenizer. Calling it on one rank
-first and the others after a barrier only saves duplicate work.
+first and the others after a barrier only saves duplicate work. `train_tokenizer` is the same
+training published into a directory the user names (``launch/prepare_data.py --train-tokenizer``).
+
+Prepared data records `tokenizer_fingerprint`; the trainer compares it with its tokenizer's.
 """
 
 from __future__ import annotations
@@ -131,31 +134,72 @@ def _cache_key(texts: Sequence[str], vocab_size: int, min_frequency: int) -> str
     return h.hexdigest()
 
 
-def load_local_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+def load_local_tokenizer(path: str | os.PathLike, field: str = "tokenizer.path") -> PreTrainedTokenizerFast:
     """Loads a tokenizer from a local directory (never the Hub) and checks it can be used here.
 
+    Args:
+        path: An HF tokenizer folder (``save_pretrained`` output: tokenizer.json and friends).
+        field: The setting that named `path`, for the error message (``--tokenizer`` on the
+            preparation command line).
+
     Raises:
-        ValueError: naming `tokenizer.path` when the directory is missing, the tokenizer is not a
-            fast one, or it has no EOS token.
+        ValueError: one line naming `field` when the directory is missing, holds no tokenizer
+            that loads, the tokenizer is not a fast one, or it has no EOS token.
     """
+    where = f"{field} ({str(path)!r})"
     if not Path(path).is_dir():
         raise ValueError(
-            f"tokenizer.path ({str(path)!r}) is not a local directory; fix: point it at a folder "
-            "holding tokenizer.json (e.g. written by save_pretrained), or leave it unset to train "
-            "a BPE tokenizer on the corpus"
+            f"{where} is not a local directory; fix: point it at a folder holding tokenizer.json "
+            "(e.g. written by save_pretrained), or leave it unset to train a BPE tokenizer on the corpus"
         )
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types, with a paragraph; the user needs one line
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(
+            f"{where} is not a tokenizer folder ({type(e).__name__}: {first}); fix: point it at a "
+            "folder written by save_pretrained (with tokenizer.json)"
+        ) from None
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(
-            f"tokenizer.path ({str(path)!r}) loads as {type(tokenizer).__name__}, not a fast "
-            "tokenizer; fix: use a directory with a tokenizer.json"
+            f"{where} loads as {type(tokenizer).__name__}, not a fast tokenizer; fix: use a directory "
+            "with a tokenizer.json"
         )
     if tokenizer.eos_token_id is None:
         raise ValueError(
-            f"tokenizer.path ({str(path)!r}) has no eos_token, which separates packed documents; "
-            "fix: set eos_token in its tokenizer_config.json"
+            f"{where} has no eos_token, which separates packed documents; fix: set eos_token in its "
+            "tokenizer_config.json"
         )
     return tokenizer
+
+
+def check_new_dir(out_dir: str | os.PathLike, field: str = "--train-tokenizer") -> Path:
+    """Refuses an existing directory (a trained tokenizer never overwrites anything)."""
+    out = Path(out_dir)
+    if out.exists():
+        raise ValueError(
+            f"{field} ({str(out)!r}) already exists; fix: pass --tokenizer {out} to use the tokenizer "
+            "in it, or name a new directory"
+        )
+    return out
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | os.PathLike,
+                    field: str = "--train-tokenizer") -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE on `texts` and publishes it, complete, at `out_dir`.
+
+    Raises:
+        ValueError: `out_dir` already exists (nothing is overwritten), or the vocabulary is too small.
+    """
+    out = check_new_dir(out_dir, field)
+    if vocab_size < _MIN_VOCAB_SIZE:
+        raise ValueError(f"--vocab-size ({vocab_size}) is below {_MIN_VOCAB_SIZE}, the 256 bytes plus "
+                         f"{EOS_TOKEN}; fix: use at least {_MIN_VOCAB_SIZE} (e.g. 32768)")
+    if not texts:
+        raise ValueError(f"{field}: the input holds no text to train a tokenizer on; fix: check --input")
+    texts = list(texts)
+    _train_and_publish(texts, vocab_size, 2, out, _cache_key(texts, vocab_size, 2))
+    return load_local_tokenizer(out, field)
 
 
 def load_tokenizer(
