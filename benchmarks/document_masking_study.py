@@ -34,7 +34,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import sysconfig
 import textwrap
@@ -43,6 +42,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.upcycling_study import run  # noqa: E402  (the studies' subprocess runner)
 
 RECIPE = "recipes/tiny_dense.yaml"
 
@@ -105,17 +106,8 @@ def train(args, run_dir: Path, corpus: Path, masking: bool) -> None:
            f"data.source=[{corpus}]", f"data.document_masking={str(masking).lower()}",
            f"eval.every={args.eval_every}", f"train.save_every={args.steps}",
            *([f"train.seed={args.seed}"] if args.seed is not None else [])]
-    # One thread unless OMP_NUM_THREADS says otherwise: the tiny model gains little from more,
-    # and on a shared machine idle OpenMP workers spin.
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", WANDB_MODE="disabled")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    log = run_dir.parent / f"{run_dir.name}.log"
-    t0 = time.time()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
-    print(f"  masking {masking}: {time.time() - t0:.0f} s (log {log})", file=sys.stderr, flush=True)
-    if rc != 0:
-        sys.exit(f"failed (exit {rc}): {' '.join(cmd)}; see {log}")
+    print(f"  masking {masking}:", file=sys.stderr, flush=True)
+    run(cmd, run_dir.parent / f"{run_dir.name}.log")      # one thread, W&B off, exit on failure
 
 
 def heldout_loss(run_dir: Path, texts: list[str], seq_len: int) -> tuple[float, float]:
