@@ -187,8 +187,10 @@ class TokenStream:
             sel = which == i
             base = int(ends[i - 1]) if i else 0
             local = flat[sel] - base + start
-            lo, hi = int(local.min()), int(local.max()) + 1     # one contiguous read per segment
-            out[sel] = np.asarray(tokens[lo:hi], dtype=np.int64)[local - lo]
+            # Fancy indexing of the memmap touches only the pages of these positions; a slice
+            # from the smallest to the largest would copy everything between (a whole shard, for
+            # windows drawn across it).
+            out[sel] = tokens[local].astype(np.int64)
         return out.reshape(np.shape(offsets))
 
     def windows(self, index: np.ndarray, seq_len: int) -> np.ndarray:

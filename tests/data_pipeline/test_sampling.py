@@ -70,3 +70,24 @@ def test_token_stream_windows_cross_segments_and_mark_the_short_tail():
     assert w[2].tolist() == [200, 201, 202, 203, 204]
     tail = stream.windows(np.array([2]), 6)[0]                 # positions 12..18: 3 real tokens
     assert tail.tolist() == [204, 205, 206, -1, -1, -1, -1]
+
+
+def test_reading_windows_far_apart_touches_only_their_tokens(tmp_path):
+    """Two windows at the two ends of a 40 MB shard: the read allocates little (1.3 MB measured), not
+    the span between them (a slice from the first to the last would copy 160 MB as int64)."""
+    import tracemalloc
+
+    from data_pipeline.sampling import TokenStream
+    n = 20_000_000
+    path = tmp_path / "t.bin"
+    np.arange(n, dtype=np.uint32).astype(np.uint16).tofile(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    stream = TokenStream(((tokens, 0, n),))
+    index = np.array([0, n // 64 - 1])
+    tracemalloc.start()
+    windows = stream.windows(index, 63)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    expected = (index[:, None] * 63 + np.arange(64)) % 65536
+    assert np.array_equal(windows, expected)
+    assert peak < 16_000_000, peak                 # measured 1.3 MB; the span would be 160 MB
