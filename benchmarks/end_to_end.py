@@ -4,6 +4,7 @@ DeepSpeed JSON, same tokens per step.
     python benchmarks/end_to_end.py                       # CPU: 1 process, fp32 ZeRO-1, tiny and mid
     python benchmarks/end_to_end.py --config ds_configs/zero1.json --sizes mid --steps 30   # a GPU, bf16
     python benchmarks/end_to_end.py --op-profile --sizes mid      # where forward+backward spend time
+    python benchmarks/end_to_end.py --compile --sizes mid         # ours with train.compile vs eager
 
 Both models are built from one set of full weights (ours converted with ``interop/hf.py``), and
 each is trained through ``deepspeed.initialize`` with the same JSON: ours by the trainer's own
@@ -21,6 +22,11 @@ The step-time breakdown times the engine's ``forward``, ``backward`` and ``step`
 and, with several ranks, communication outside those calls. Steps after ``--warmup`` count;
 medians are reported. Prints a markdown table and the ratio (ours / transformers tokens/s).
 
+``--compile``: ours with ``train.compile`` (each block compiled, ``training/compile.py``) against
+ours eager instead of transformers', the same weights, JSON and tokens, stepped in turn the same
+way; the ratio is compiled / eager tokens/s. Compilation happens in the first step (forward and
+backward graphs), inside ``--warmup``.
+
 ``--op-profile``: instead, one forward+backward of each model (loss and router loss, no
 DeepSpeed, one micro-batch) under ``torch.profiler``, with the ops that took the most time.
 """
@@ -28,6 +34,7 @@ DeepSpeed, one micro-batch) under ``torch.profiler``, with the ops that took the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -53,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--op-profile", action="store_true", help="profile forward+backward per op instead")
+    p.add_argument("--compile", action="store_true",
+                   help="ours with train.compile against ours eager, instead of against transformers")
     args = p.parse_args(argv)
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
     if bad:
@@ -138,10 +147,13 @@ def _batches(cfg, micro: int, accumulation: int, seq: int, steps: int, device) -
 
 
 def build_ours(recipe, ds, ctx, total_steps):
-    """Our model through the trainer's own engine setup and step: a function running one step."""
+    """Our model through the trainer's own engine setup and step (its blocks compiled when
+    ``recipe.train.compile``): a function running one step."""
     from model import Transformer
     from training import run_setup, stepping
+    from training.compile import compile_blocks
     model = Transformer(recipe.model, ctx.groups, init_seed=recipe.train.seed)
+    compile_blocks(model, recipe.train.compile, ds)
     engine = run_setup.build_engine(model, ds, total_steps, ctx.groups)
     stepper = stepping.Stepper(engine, recipe, ds, ctx, dp_size=1)
     return model, PhaseTimer(engine, ctx.device), stepper.train_step
@@ -169,18 +181,24 @@ def build_hf(ours, cfg, ds, ctx):
     return PhaseTimer(engine, ctx.device), step
 
 
-def run_interleaved(recipe, ds, ctx, batches, warmup):
-    """Both models built, then one step of each in turn, so that load on a shared machine hits
-    both alike; returns their per-step rows (after ``warmup``)."""
+def run_interleaved(recipe, ds, ctx, batches, warmup, compiled: bool = False):
+    """Both models built (ours and transformers', or with ``compiled`` ours eager and ours
+    compiled), then one step of each in turn, so that load on a shared machine hits both alike;
+    returns their per-step rows (after ``warmup``)."""
     model, ours_timer, ours_step = build_ours(recipe, ds, ctx, len(batches))
-    hf_timer, hf_step = build_hf(model, recipe.model, ds, ctx)
-    ours_rows, hf_rows = [], []
+    if compiled:
+        train = dataclasses.replace(recipe.train, compile=True)
+        _, other_timer, other_step = build_ours(dataclasses.replace(recipe, train=train), ds, ctx,
+                                                len(batches))
+    else:
+        other_timer, other_step = build_hf(model, recipe.model, ds, ctx)
+    ours_rows, other_rows = [], []
     for step, micro_batches in enumerate(batches, 1):
         with ours_timer.step(ours_rows):
             ours_step(step, micro_batches)
-        with hf_timer.step(hf_rows):
-            hf_step(step, micro_batches)
-    return ours_rows[warmup:], hf_rows[warmup:]
+        with other_timer.step(other_rows):
+            other_step(step, micro_batches)
+    return ours_rows[warmup:], other_rows[warmup:]
 
 
 def summarize(rows: list[dict], tokens_per_step: int) -> dict:
@@ -210,8 +228,10 @@ def main(argv=None) -> int:
             continue
         batches = _batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
         tokens = micro * acc * recipe.seq_len
-        ours_rows, hf_rows = run_interleaved(recipe, ds, ctx, batches, args.warmup)
-        ratio = statistics.median(h["total"] / o["total"] for o, h in zip(ours_rows, hf_rows))
+        ours_rows, hf_rows = run_interleaved(recipe, ds, ctx, batches, args.warmup, args.compile)
+        # tokens/s ratio per step: ours / transformers, or compiled / eager (the second model).
+        ratio = statistics.median(o["total"] / h["total"] if args.compile else h["total"] / o["total"]
+                                  for o, h in zip(ours_rows, hf_rows))
         results.append((size, recipe.model, summarize(ours_rows, tokens), summarize(hf_rows, tokens),
                         ratio))
 
@@ -222,16 +242,21 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads; medians over {args.steps - args.warmup} steps (ms)\n")
     print("| size | params | implementation | tokens/s | step | forward | backward | optimizer | other |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    other = "ours, train.compile" if args.compile else "transformers Mixtral"
     for size, cfg, ours, theirs, _ in results:
         params = f"{cfg.num_params() / 1e6:.1f}M"
-        for name, m in (("ours (trainer)", ours), ("transformers Mixtral", theirs)):
+        for name, m in (("ours (trainer)", ours), (other, theirs)):
             print(f"| {size} | {params} | {name} | {m['tokens_per_s']:,.0f} | {1e3 * m['total']:.1f} | "
                   f"{1e3 * m['forward']:.1f} | {1e3 * m['backward']:.1f} | {1e3 * m['optimizer']:.1f} | "
                   f"{1e3 * m['other']:.1f} |")
     print()
     for size, _, ours, theirs, ratio in results:
-        print(f"{size}: ours / transformers tokens/s = {ratio:.2f} (median of per-step ratios; "
-              f"of the medians {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f})")
+        if args.compile:
+            print(f"{size}: compiled / eager tokens/s = {ratio:.2f} (median of per-step ratios; "
+                  f"of the medians {theirs['tokens_per_s'] / ours['tokens_per_s']:.2f})")
+        else:
+            print(f"{size}: ours / transformers tokens/s = {ratio:.2f} (median of per-step ratios; "
+                  f"of the medians {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f})")
     run_setup.shutdown()
     return 0
 

@@ -1,40 +1,75 @@
-"""Summarize a gpu_suite.sh output folder as markdown for docs/PERFORMANCE.md.
+"""One training run's figures as a markdown table, for ``benchmarks/gpu_suite.sh``'s summary.
 
-    python benchmarks/gpu_figures.py OUT_DIR
+    python benchmarks/gpu_figures.py RUN_DIR [--estimate ESTIMATE.json] [--warmup 5]
+
+From ``RUN_DIR/metrics.jsonl``: the median ``tokens_per_s``, ``mfu`` (causal attention at
+6 x L x h x s) and ``mfu_full_attn`` (12 x L x h x s, as torchtitan and most published figures
+count it) over the step rows after ``--warmup`` (fewer when the run is shorter: at least the last
+step is kept), the peak ``mem_gb``, the loss of the first and last step; beside it the
+estimator's GPU total (``launch/estimate_memory.py --json``). A figure the run did not log (no
+GPU: no ``mfu``, no ``mem_gb``) reads ``n/a``.
 """
 
+from __future__ import annotations
+
+import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
 
-
-def run_row(run_dir: Path) -> str:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "loss" in r][5:] or rows      # skip warm-up steps
-    tok = statistics.median(r["tokens_per_s"] for r in rows)
-    mfu = statistics.median(r.get("mfu", float("nan")) for r in rows)
-    mem = max(r.get("mem_gb", float("nan")) for r in rows)
-    est = ""
-    if (run_dir / "estimate.json").is_file():
-        e = json.loads((run_dir / "estimate.json").read_text())
-        total = e.get("worst", {}).get("gpu_total")
-        est = f"{total / 1e9:.1f}" if total else ""
-    return (f"| {run_dir.name} | {tok:,.0f} | {100 * mfu:.1f}% | {mem:.1f} | {est} | "
-            f"{rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f} |")
+HEADER = ("| run | steps | tokens/s (median) | MFU (causal attn) | MFU (full attn) | peak mem GB "
+          "| estimator GB | loss first -> last |\n|---|---|---|---|---|---|---|---|")
 
 
-def main(out: Path) -> None:
-    print(f"GPU: {(out / 'gpu.txt').read_text().splitlines()[-1] if (out / 'gpu.txt').exists() else '?'}\n")
-    print("| run | tokens/s | MFU (median) | peak mem GB | estimator GB | loss |")
-    print("|---|---|---|---|---|---|")
-    for run in sorted((out / "runs").glob("*")):
-        if (run / "metrics.jsonl").is_file():
-            print(run_row(run))
-    for name in ("gpu_tests.txt", "moe_layer.md", "nccl.txt"):
-        if (out / name).is_file():
-            print(f"\n{name}:\n\n```\n{(out / name).read_text().strip()}\n```")
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else math.nan
+
+
+def _fmt(value: float, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    return "n/a" if math.isnan(value) else f"{value * scale:{spec}}{suffix}"
+
+
+def run_row(run_dir: Path, estimate: Path | None = None, warmup: int = 5) -> str:
+    """The table row of one run; raises FileNotFoundError/ValueError with one line."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{metrics}: no such file (did the run start?)")
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    steps = [r for r in rows if "loss" in r and "tokens_per_s" in r]
+    if not steps:
+        raise ValueError(f"{metrics}: no step rows (a row with loss and tokens_per_s)")
+    timed = steps[min(warmup, len(steps) - 1):]
+    mem = [r["mem_gb"] for r in steps if isinstance(r.get("mem_gb"), (int, float))]
+    est = "n/a"
+    if estimate is not None and estimate.is_file():
+        total = (json.loads(estimate.read_text()).get("worst") or {}).get("gpu_total")
+        est = f"{total / 1e9:.1f}" if total else "n/a"
+    return (f"| {run_dir.name} | {len(steps)} ({len(timed)} timed) | "
+            f"{_fmt(_median(timed, 'tokens_per_s'), ',.0f')} | "
+            f"{_fmt(_median(timed, 'mfu'), '.1f', 100, '%')} | "
+            f"{_fmt(_median(timed, 'mfu_full_attn'), '.1f', 100, '%')} | "
+            f"{f'{max(mem):.1f}' if mem else 'n/a'} | {est} | "
+            f"{steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f} |")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--estimate", type=Path, default=None)
+    p.add_argument("--warmup", type=int, default=5, help="first step rows not timed")
+    args = p.parse_args(argv)
+    try:
+        row = run_row(args.run_dir, args.estimate, args.warmup)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"error: gpu_figures.py: {err}", file=sys.stderr)
+        return 2
+    print(HEADER)
+    print(row)
+    return 0
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    sys.exit(main())

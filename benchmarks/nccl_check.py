@@ -1,11 +1,24 @@
-"""NCCL sanity and bandwidth on the GPUs of one node: all-reduce and all-to-all of 256 MB.
+"""Collectives on the GPUs of one node: an all-reduce and an all-to-all checked for their values,
+then timed (256 MB all-reduce, 10 rounds), with bus bandwidth as nccl-tests defines it.
 
-    python -m torch.distributed.run --nproc_per_node N benchmarks/nccl_check.py
+    python -m torch.distributed.run --nproc_per_node N benchmarks/nccl_check.py     # N GPUs, NCCL
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/nccl_check.py --backend gloo --device cpu
+
+Bus bandwidth is ``2(n-1)/n x bytes / time`` for an all-reduce: the bytes each GPU's link
+carries, comparable across world sizes. At world size 1 there is no link (NCCL copies the buffer
+in place), so the check then runs and verifies the collectives and prints the single-GPU time, but
+reports no bus bandwidth and says so: a number from one GPU is not a network figure. Every
+collective goes through ``model/parallel/comm.py``, the trainer's own calls, on the compute
+device, with a timeout on the process group.
 """
 
+from __future__ import annotations
+
+import argparse
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -15,29 +28,66 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.parallel import comm  # noqa: E402
 
 
-def main() -> None:
-    dist.init_process_group("nccl")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--mb", type=int, default=256, help="all-reduce size in MB (fp32)")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--timeout-s", type=int, default=120, help="process-group timeout")
+    return p.parse_args(argv)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("nccl check: skipped (no CUDA device)")
+            return 0
+        torch.cuda.set_device(local_rank)          # before the group: its context on this GPU
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     group = dist.new_group(list(range(world)))
-    x = torch.full((64 * 2**20,), float(rank + 1), device="cuda")        # 256 MB fp32
+    x = torch.full((args.mb * 2**20 // 4,), float(rank + 1), device=device)
     comm.all_reduce_sum(x, group)
-    assert x[0].item() == world * (world + 1) / 2
-    torch.cuda.synchronize()
+    ok_reduce = bool((x[:1] == world * (world + 1) / 2).all().item())
+    _sync(device)
     t = time.perf_counter()
-    for _ in range(10):
+    for _ in range(args.rounds):
         comm.all_reduce_sum(x, group)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / 10
-    # Bus bandwidth as nccl-tests defines it: 2(n-1)/n x bytes / time.
-    busbw = 2 * (world - 1) / max(world, 1) * x.numel() * 4 / dt / 1e9
-    rows = comm.all_to_all(torch.arange(world * 4, device="cuda", dtype=torch.float32).view(world * 4, 1) + 100 * rank,
-                           [4] * world, [4] * world, group)
-    assert rows[:4, 0].tolist() == [4 * rank + i for i in range(4)]
+    _sync(device)
+    dt = (time.perf_counter() - t) / args.rounds
+    # Rank r sends rows [4j, 4j+4) of its (4 world, 1) tensor to rank j; it receives, from every
+    # rank s, that rank's rows for r: 4r + i + 100 s.
+    send = torch.arange(world * 4, device=device, dtype=torch.float32).view(world * 4, 1) + 100 * rank
+    rows = comm.all_to_all(send, [4] * world, [4] * world, group)
+    want = torch.tensor([4 * rank + i + 100 * s for s in range(world) for i in range(4)],
+                        device=device, dtype=torch.float32).view(-1, 1)
+    ok_a2a = bool(torch.equal(rows, want))
+    ok = torch.tensor([float(ok_reduce and ok_a2a)], device=device)
+    comm.all_reduce_sum(ok, group)
+    all_ok = int(ok.item()) == world
     if rank == 0:
-        print(f"nccl ok: world {world}, all_reduce 256MB {dt * 1e3:.2f} ms, bus bandwidth {busbw:.1f} GB/s")
+        where = f"{args.backend} on {device.type}, world {world}"
+        if world > 1:
+            busbw = 2 * (world - 1) / world * x.numel() * 4 / dt / 1e9
+            bw = f"bus bandwidth {busbw:.1f} GB/s"
+        else:
+            bw = "bus bandwidth: n/a at world size 1 (no link between GPUs; run with N >= 2)"
+        print(f"nccl check ({where}): values {'ok' if all_ok else 'WRONG'}; all_reduce "
+              f"{args.mb} MB {dt * 1e3:.2f} ms; {bw}", flush=True)
     dist.destroy_process_group()
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

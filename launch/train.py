@@ -151,7 +151,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
                 print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
         if stepper.saves_written:       # every rank's writer has finished: publish (all ranks)
             saver.finish()
-        if stop or preempted or step % tcfg.save_every == 0 or step == tcfg.steps:
+        if stop or preempted or (tcfg.save_every and (step % tcfg.save_every == 0 or step == tcfg.steps)):
             where.phase = "checkpoint save"
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}

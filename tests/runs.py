@@ -82,3 +82,181 @@ def kill_after_step(proc, run_dir: Path, step: int, timeout: float = 300) -> Non
     subprocess.run(["pkill", "-KILL", "-f", str(run_dir)], check=False)
     proc.wait()
     time.sleep(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Warm launches: every rank a process forked from one that has already imported the libraries.
+
+# Importing these is about two thirds of a tiny 1-rank run's CPU time (py-spy on 2 cores: torch;
+# torch._dynamo, for ``torch.compiler.disable`` in model/moe/layer.py; inductor, for the
+# ``torch.compile`` in DeepSpeed's optimizer check; transformers). The repository's own modules
+# are not preloaded: each rank imports and runs them as ``python script`` would.
+PRELOAD = ("numpy", "yaml", "torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+           "tokenizers", "transformers", "deepspeed", "deepspeed.runtime.engine", "deepspeed.pipe",
+           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+           "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.utils.zero_to_fp32")
+PRELOAD_ATTRS = ("PreTrainedTokenizerFast", "AutoTokenizer", "get_inverse_sqrt_schedule",
+                 "get_wsd_schedule", "LlamaConfig", "MixtralConfig")     # transformers' lazy names
+
+
+class WarmLauncher:
+    """Runs ``launch/train.py`` (or a test ``script`` that wraps it) as ``launch(wait=True)`` does,
+    with the same command line, but forks each rank from one server process that has imported
+    torch, DeepSpeed and transformers once (``PRELOAD``) instead of starting a fresh interpreter
+    per rank under torchrun: a 2-rank EP2 run of the tiny model costs about 17 CPU-seconds
+    instead of 37 (measured on the 2-core CI machine).
+
+    A rank gets the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT, ...; none at ``nproc`` 1, as ``python script``), fresh Python and numpy
+    random states, its output appended to ``<run_dir>.log``, and runs ``script`` as ``__main__``;
+    the ranks of a run share a process group of their own. As under torchrun, the others are
+    stopped 30 s after a rank fails, unless they exit first. For runs whose subject is what the
+    trainer computes or prints; the launcher itself, signals and kills are tested through
+    ``launch``. Use as a context manager (one server per test module); ``cpu_s`` is the last
+    run's CPU seconds, all ranks together.
+    """
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.runs"], cwd=REPO, env=env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.cpu_s = None
+
+    def __enter__(self) -> "WarmLauncher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+    def launch(self, run_dir: Path, config: str, nproc: int = 2, extra=(), timeout: int = 300,
+               steps: int = STEPS, script: str = "launch/train.py", extra_env: dict | None = None,
+               check: bool = True) -> int:
+        """``launch``'s arguments and command line; returns the exit code (the first failing
+        rank's, -9 past ``timeout``), asserting 0 unless ``check`` is False."""
+        log = run_dir.parent / f"{run_dir.name}.log"
+        rc = self.run([script, "--config", config, "--run-dir", str(run_dir), "--steps", str(steps),
+                       "--set", *SMALL, *extra], log, nproc, timeout, extra_env)
+        assert rc == 0 or not check, log.read_text()[-3000:]
+        return rc
+
+    def run(self, argv: list[str], log: Path, nproc: int = 1, timeout: int = 300,
+            extra_env: dict | None = None, stderr: Path | None = None) -> int:
+        """``argv`` (a script relative to the repository, then its arguments) on ``nproc``
+        ranks, their output appended to ``log`` (their stderr to ``stderr`` if given); returns
+        the exit code."""
+        request = {"argv": list(argv), "nproc": nproc, "env": {**env(), **(extra_env or {})},
+                   "log": str(log), "stderr": str(stderr or log), "timeout": timeout}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the warm launcher's server exited with code {self.proc.wait()}"
+        reply = json.loads(reply)
+        self.cpu_s = reply["cpu_s"]
+        return reply["rc"]
+
+
+def _torchrun_env(rank: int, nproc: int, port: int) -> dict:
+    """What torchrun's agent sets for worker ``rank`` of ``nproc`` on one node; the ranks
+    rendezvous at rank 0's store, not at an agent's."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                ROLE_NAME="default", LOCAL_WORLD_SIZE=str(nproc), WORLD_SIZE=str(nproc),
+                GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID="none", TORCHELASTIC_USE_AGENT_STORE="False")
+
+
+def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
+    """In a forked child: become rank ``rank`` of the request and run its script as
+    ``__main__``; ends the process with the script's exit code, never returns."""
+    import random
+    import runpy
+    import traceback
+    code = 1
+    try:
+        os.setpgid(0, leader)                      # the run's group (leader 0: a new one)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["nproc"] > 1:
+            os.environ.update(_torchrun_env(rank, request["nproc"], port))
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)    # nor the server's pipes
+        for fd, path in ((1, request["log"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
+        random.seed()                              # a fresh process's entropy, not the server's
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        script = str(REPO / request["argv"][0])
+        sys.argv = [script, *request["argv"][1:]]
+        sys.path[0] = os.path.dirname(script)      # as ``python script`` sets it
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as done:
+            code = done.code if isinstance(done.code, int) else int(done.code is not None)
+            if isinstance(done.code, str):
+                print(done.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _serve() -> None:
+    """The warm launcher's server: preload, then per request line fork the run's ranks, wait for
+    them and answer one line, ``{"rc": ..., "cpu_s": ...}``."""
+    import contextlib
+    import importlib
+    import signal
+    import time
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                                  # what the libraries print goes to stderr
+    for name in PRELOAD:                           # only saves time: a missing one is skipped
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    for name in PRELOAD_ATTRS:
+        with contextlib.suppress(ImportError, AttributeError):
+            getattr(sys.modules["transformers"], name)
+    for line in sys.stdin:
+        request, port = json.loads(line), free_port()
+        sys.stdout.flush()                         # nothing buffered for the children to repeat
+        sys.stderr.flush()
+        pids = []
+        for rank in range(request["nproc"]):
+            pid = os.fork()
+            if pid == 0:
+                os.close(replies.fileno())         # only the server answers
+                _run_rank(request, rank, port, pids[0] if pids else 0)
+            if not pids:                           # rank 0 leads the group (before rank 1 joins)
+                with contextlib.suppress(OSError):  # (it may have set it, or exited, already)
+                    os.setpgid(pid, pid)
+            pids.append(pid)
+        running, failed, cpu = set(pids), [], 0.0
+        deadline = time.time() + request["timeout"]
+        while running:
+            for pid in list(running):
+                done, status, usage = os.wait4(pid, os.WNOHANG)
+                if done:
+                    running.discard(pid)
+                    cpu += usage.ru_utime + usage.ru_stime
+                    if os.waitstatus_to_exitcode(status) != 0:
+                        failed.append(os.waitstatus_to_exitcode(status))
+                        # The others may be failing too (a failed save stops every rank): 30 s,
+                        # torchrun's grace, to exit on their own, then they are stopped.
+                        deadline = min(deadline, time.time() + 30)
+            if running and time.time() > deadline:
+                os.killpg(pids[0], signal.SIGKILL)
+                for pid in running:
+                    usage = os.wait4(pid, 0)[2]
+                    cpu += usage.ru_utime + usage.ru_stime
+                failed.append(-signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        replies.write(json.dumps({"rc": failed[0] if failed else 0, "cpu_s": round(cpu, 1)}) + "\n")
+        replies.flush()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -61,10 +61,12 @@ def matmul_params_per_token(cfg: TransformerConfig) -> int:
     return total
 
 
-def train_flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
-    """6 x active matmul params + 6 x layers x hidden x seq (causal attention scores and values:
-    12*L*h*s halved by the causal mask)."""
-    return 6.0 * matmul_params_per_token(cfg) + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+def train_flops_per_token(cfg: TransformerConfig, seq_len: int, causal: bool = True) -> float:
+    """6 x active matmul params + attention scores and values: 12 x layers x hidden x seq, halved
+    by the causal mask (``causal``, our ``mfu``) or whole (``mfu_full_attn``, torchtitan's and most
+    published figures' count)."""
+    attention = (6.0 if causal else 12.0) * cfg.num_layers * cfg.hidden_size * seq_len
+    return 6.0 * matmul_params_per_token(cfg) + attention
 
 
 def cpu_has_native_bf16() -> bool | None:

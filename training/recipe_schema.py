@@ -112,7 +112,8 @@ class TrainConfig:
     seed: int = 1234
     """Seed of model init, data order and every RNG stream (resume continues them)."""
     save_every: int = 50
-    """Optimizer steps between checkpoints (the last step is always saved)."""
+    """Optimizer steps between checkpoints (the last step is always saved); 0 saves none (only a
+    preemption or a spike stop does), for throughput runs such as the GPU suite."""
     keep_last: int = 3
     """Checkpoints kept on disk, oldest deleted first; 0 keeps all."""
     log_every: int = 10
@@ -135,9 +136,13 @@ class TrainConfig:
     """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
     noise_scale: bool = True
     """Log the gradient noise scale where the layout allows it exactly (training/noise_scale.py)."""
+    tf32: bool = False
+    """On a GPU, fp32 matmuls and convolutions in TF32 (10-bit mantissa; faster, less exact)."""
+    compile: bool = False
+    """torch.compile each transformer block on its own (training/compile.py); eager by default."""
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("seed", 0), ("save_every", 1), ("keep_last", 0),
+        for name, low in (("steps", 1), ("seed", 0), ("save_every", 0), ("keep_last", 0),
                           ("log_every", 1), ("spike_window", 1)):
             check_int(f"train.{name}", getattr(self, name), low)
         _ = self.checkpointing  # raises on a misspelt policy

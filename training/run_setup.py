@@ -25,6 +25,7 @@ from training import data_sources as sources_lib
 from training import data as data_lib
 from training import checkpoint, optim, schedules
 from training.hardware import detect_gpu, train_flops_per_token
+from training.compile import compile_blocks
 from training.files import atomic_write, wait_for_file
 from training.recipe_schema import Recipe
 from training.shard_maps import enable_universal_checkpoint
@@ -151,16 +152,18 @@ class DistContext:
         """Every rank that sees different tokens (ep x dp): loss and statistics sum over it."""
         return self.groups.batch_group
 
-    def flops_per_token(self, cfg, recipe: Recipe) -> float:
-        return train_flops_per_token(cfg, recipe.seq_len)
+    def flops_per_token(self, cfg, recipe: Recipe) -> tuple[float, float]:
+        """Training FLOPs per token, attention causal-halved (``mfu``) and whole (``mfu_full_attn``)."""
+        return (train_flops_per_token(cfg, recipe.seq_len),
+                train_flops_per_token(cfg, recipe.seq_len, causal=False))
 
-    def add_gpu_metrics(self, row: dict, flops_per_token: float) -> None:
+    def add_gpu_metrics(self, row: dict, flops_per_token: tuple[float, float]) -> None:
         if self.device.type != "cuda":
             return
         row["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         if self.gpu is not None:
-            per_gpu_tokens_s = row["tokens_per_s"] / self.world_size
-            row["mfu"] = per_gpu_tokens_s * flops_per_token / (self.gpu.bf16_tflops * 1e12)
+            rate = row["tokens_per_s"] / self.world_size / (self.gpu.bf16_tflops * 1e12)   # per GPU
+            row["mfu"], row["mfu_full_attn"] = rate * flops_per_token[0], rate * flops_per_token[1]
 
 
 def _free_port() -> int:
@@ -179,6 +182,11 @@ def init_distributed(recipe: Recipe) -> DistContext:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        # Before any process group, which opens its context on the current GPU (else GPU 0 for all).
+        torch.cuda.set_device(local_rank)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = recipe.train.tf32
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     timeout = timedelta(minutes=recipe.parallel.timeout_minutes)
@@ -187,9 +195,7 @@ def init_distributed(recipe: Recipe) -> DistContext:
         backend = get_accelerator().communication_backend_name()
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         gpu = detect_gpu(torch.cuda.get_device_name(device))
         moe = getattr(recipe.model, "moe", None)
@@ -295,21 +301,19 @@ def build_model(recipe: Recipe, init_from: Path | None, groups: ParallelGroups,
         ds_for_init, _ = schedules.split_scheduler(ds)    # DeepSpeed's keys only
         model = build_partitioned(recipe.model, groups, ds_for_init, recipe.train.seed, init_from)
         model.set_activation_checkpointing(recipe.train.activation_checkpointing)
-        return model
+        return compile_blocks(model, recipe.train.compile, ds)
     if recipe.parallel.pipeline_parallel_size > 1:
         from training.pipeline import TransformerPipe
-        init = None
-        if init_from is not None:
-            from safetensors.torch import load_file
-            init = load_file(str(init_from / "model.safetensors"))
-        return TransformerPipe(recipe.model, groups, recipe.train.seed,
-                               recipe.train.activation_checkpointing, init)
+        from safetensors.torch import load_file
+        init = None if init_from is None else load_file(str(init_from / "model.safetensors"))
+        return compile_blocks(TransformerPipe(recipe.model, groups, recipe.train.seed,
+                                              recipe.train.activation_checkpointing, init), recipe.train.compile)
     model = Transformer(recipe.model, groups, init_seed=recipe.train.seed)
     if init_from is not None:
         from safetensors.torch import load_file
         model.load_state_dict(load_file(str(init_from / "model.safetensors")), strict=True)
     model.set_activation_checkpointing(recipe.train.activation_checkpointing)
-    return model
+    return compile_blocks(model, recipe.train.compile)
 
 
 def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 MFU_NOTE = ("MFU counts 6 x active matmul parameters per token (attention, routed experts, "
             "router, output head; not the input embedding) + 6 x layers x hidden x seq "
-            "(causal attention), over the GPU's dense bf16 peak")
+            "(causal attention), over the GPU's dense bf16 peak; mfu_full_attn counts attention "
+            "as 12 x layers x hidden x seq, as torchtitan and most published MFU figures do")
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:

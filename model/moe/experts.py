@@ -12,6 +12,15 @@ sizes:
   per layer call, and not at all under expert parallelism, whose exchange already brought them.
 * CPU: torch's kernel (a loop of its own on the host), unless it refuses the operands (e.g. rows
   that are not 16-byte aligned) or this torch has none (2.9).
+
+Under ``torch.compile`` (``train.compile``) that choice cannot be traced: it reads ``data_ptr()``
+and catches the kernel's refusal, and the loop needs host sizes. So the compiled block calls two
+custom ops instead, ``moe::grouped_mm`` and its weight gradient ``moe::grouped_mm_wgrad``, opaque
+to the compiler (no graph break) and making the same choice when they run. Their backward is
+ATen's own for the kernel (checked bitwise in tests/model/test_compile.py), so compiled and eager
+agree; outside a compiled region nothing changes. The loop under compile reads the sizes in each
+of its nine GEMMs (three forward, six backward), not once per layer call: on a GPU without the
+kernel (fp32, or not sm 9.x/10.x) that is nine device syncs per MoE layer instead of one.
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor,
     """
     groups = (tokens_per_expert if isinstance(tokens_per_expert, ExpertGroups)
               else ExpertGroups(tokens_per_expert))
+    if torch.compiler.is_compiling():       # the choice below runs inside the op, not traced
+        return torch.ops.moe.grouped_mm(x, w, groups.counts)
     # The CPU kernel wants 16-byte aligned rows: a refusal of one shape says nothing of the others.
     key = (x.device.type, x.dtype, _aligned(x) and _aligned(w))
     if _kernel_reads_offsets_on_device(x, w) and key not in _UNSUPPORTED:
@@ -119,6 +130,59 @@ def _looped_mm(x: torch.Tensor, w: torch.Tensor,
     if rest:
         out.append(x.new_zeros(rest, w.shape[-1]))
     return torch.cat(out, dim=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The same products as custom ops, for compiled blocks (see the module docstring).
+
+@torch.library.custom_op("moe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm`` as one op: (N, K) x (E, K, M) -> (N, M), kernel or loop chosen at run time."""
+    return grouped_mm(x, w, counts).contiguous()        # the layout the fake promises
+
+
+@_grouped_mm_op.register_fake
+def _(x, w, counts):
+    return x.new_empty((x.shape[0], w.shape[-1]), dtype=torch.promote_types(x.dtype, w.dtype))
+
+
+@torch.library.custom_op("moe::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The weight gradient of ``grouped_mm``: (N, K), (N, M) -> (E, K, M), ``x_e^T @ dy_e`` per
+    group (zeros for an empty one); ATen's grouped kernel on (K, N) x (N, M), else a loop."""
+    key = (x.device.type, x.dtype, _aligned(x) and _aligned(dy), "wgrad")
+    if _kernel_reads_offsets_on_device(x, dy) and key not in _UNSUPPORTED:
+        try:
+            return _GROUPED_MM(x.t(), dy, offs=torch.cumsum(counts, 0, dtype=torch.int32)).contiguous()
+        except RuntimeError as err:
+            if not any(m in str(err) for m in _REFUSALS):
+                raise
+            _UNSUPPORTED.add(key)
+    sizes = counts.tolist()                          # host sizes, as the loop of ``grouped_mm``
+    chunks_x = torch.split(x[:sum(sizes)], sizes)
+    chunks_dy = torch.split(dy[:sum(sizes)], sizes)
+    return torch.stack([cx.t() @ cd for cx, cd in zip(chunks_x, chunks_dy)])   # (E, K, M)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(x, dy, counts):
+    return x.new_empty((counts.shape[0], x.shape[1], dy.shape[1]))
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x, w, counts = inputs
+    ctx.save_for_backward(x, w, counts)
+
+
+def _grouped_mm_backward(ctx, dy):
+    """ATen's ``_grouped_mm`` backward: dx = dy @ w_e^T per group, dw = x_e^T @ dy_e."""
+    x, w, counts = ctx.saved_tensors
+    dx = torch.ops.moe.grouped_mm(dy, w.transpose(-2, -1), counts) if ctx.needs_input_grad[0] else None
+    dw = torch.ops.moe.grouped_mm_wgrad(x, dy, counts) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 class GroupedExperts(nn.Module):

@@ -151,15 +151,13 @@ class MoELayer(nn.Module):
         capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
         # Plan in rank order of experts (the identity without expert parallelism).
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
+        weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         if ep > 1:
-            splits = self._exchange_counts(plan.tokens_per_expert)          # the one host copy
-            rows = dispatcher.permute(x, plan, splits.num_send)             # (N, H) kept rows
-            y = self._exchange(rows, splits)                                # (N, H) partial over tp
+            out = self._routed_over_ep(x, weights, plan)                    # (T, H) partial over tp
         else:
             rows = dispatcher.permute(x, plan)                              # (k*T, H) dropped last
             y = self._experts(rows, plan.tokens_per_expert)                 # (k*T, H) partial
-        weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
-        out = dispatcher.unpermute(y, weights, plan, num_tokens)            # (T, H) partial over tp
+            out = dispatcher.unpermute(y, weights, plan, num_tokens)        # (T, H) partial over tp
         if self.shared_experts is not None:                                 # summed over tp with out
             shared = self.shared_experts(x)                                 # (T, H) partial over tp
             if self.shared_expert_gate is not None:
@@ -184,6 +182,19 @@ class MoELayer(nn.Module):
             return torch.utils.checkpoint.checkpoint(self.experts, rows, per_expert, sizes,
                                                      use_reentrant=False)
         return self.experts(rows, per_expert, sizes)
+
+    # Eager also inside a compiled block (``train.compile``), a graph break at ep > 1 only: the
+    # uneven all-to-all needs its split sizes on the host, and the N kept rows it moves are a
+    # data-dependent size, which would recompile the graph for every new N. Its result, (T, H),
+    # has the static shape the compiled rest of the block continues from.
+    @torch.compiler.disable
+    def _routed_over_ep(self, x: torch.Tensor, weights: torch.Tensor,
+                        plan: dispatcher.DispatchPlan) -> torch.Tensor:
+        """(T, H) tokens -> (T, H) combined expert outputs, through the exchange (``_exchange``)."""
+        splits = self._exchange_counts(plan.tokens_per_expert)              # the one host copy
+        rows = dispatcher.permute(x, plan, splits.num_send)                 # (N, H) kept rows
+        y = self._exchange(rows, splits)                                    # (N, H) partial over tp
+        return dispatcher.unpermute(y, weights, plan, x.shape[0])           # (T, H)
 
     def _exchange_counts(self, per_expert: torch.Tensor) -> _Splits:
         """Steps 1-2 of the exchange (see ``_exchange``): the counts, and the split sizes on the

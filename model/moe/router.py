@@ -129,8 +129,23 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
 
     Drawing the (T, H) noise on tp rank 0 and broadcasting it would need no seeding convention,
     but costs a T*H collective per MoE layer, as much as the layer's activations.
+
+    Under ``torch.compile`` the same draws are two custom ops, opaque to the compiler (the host
+    seed and the generators would break the graph): ``moe::jitter_base``, the base seed as a
+    (1,) CPU tensor from the default CPU generator, a random op whose generator state a compiled
+    checkpoint saves and restores as ``torch.utils.checkpoint`` does, and ``moe::jitter_noise``,
+    the noise from it, deterministic, so a recomputation gives the same. Same values as eager.
     """
+    if torch.compiler.is_compiling():
+        base_seed = torch.ops.moe.jitter_base(torch.empty(0, device="cpu"))   # (1,) int64
+        return torch.ops.moe.jitter_noise(base_seed, list(shape), eps, device, first_sample,
+                                          num_samples)
     base = int(torch.randint(1 << 62, (1,)).item())      # default CPU generator, a host value
+    return _noise_from(base, shape, eps, device, first_sample, num_samples)
+
+
+def _noise_from(base: int, shape, eps: float, device: torch.device, first_sample: int,
+                num_samples: int) -> torch.Tensor:
     gen = torch.Generator(device=device)
     noise = torch.empty((num_samples, shape[0] // num_samples, shape[1]), device=device,
                         dtype=torch.float32)                            # (B, S, H)
@@ -138,6 +153,29 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
         gen.manual_seed(_mix(base, first_sample + b))
         noise[b].uniform_(1.0 - eps, 1.0 + eps, generator=gen)
     return noise.view(shape)                                             # (T, H)
+
+
+# ``on``: an empty CPU tensor, whose device tells a compiled checkpoint which generator to save
+# before the draw and restore for its recomputation (it looks for a tensor argument).
+@torch.library.custom_op("moe::jitter_base", mutates_args=(), tags=torch.Tag.nondeterministic_seeded)
+def _jitter_base_op(on: torch.Tensor) -> torch.Tensor:
+    return torch.randint(1 << 62, (1,), device=on.device)           # (1,) int64
+
+
+@_jitter_base_op.register_fake
+def _(on):
+    return torch.empty((1,), dtype=torch.int64, device=on.device)
+
+
+@torch.library.custom_op("moe::jitter_noise", mutates_args=())
+def _jitter_noise_op(base_seed: torch.Tensor, shape: list[int], eps: float, device: torch.device,
+                     first_sample: int, num_samples: int) -> torch.Tensor:
+    return _noise_from(int(base_seed.item()), tuple(shape), eps, device, first_sample, num_samples)
+
+
+@_jitter_noise_op.register_fake
+def _(base_seed, shape, eps, device, first_sample, num_samples):
+    return torch.empty(shape, device=device, dtype=torch.float32)
 
 
 def _mix(base: int, index: int) -> int:

@@ -10,21 +10,27 @@ holds. Tensors sharded along no dim (the router, norms) are one tile that every 
 
 Per rank, for each parameter: its shard plus the unused part of the tiles at the shard's edges
 (none when the block length divides the shard, as for any split in up to 64 parts of a size
-that 64 divides), and at most one tile in flight: a column-parallel weight or the vocabulary
+that 64 divides), and at most one tile in flight per drawing thread: a column-parallel weight or the vocabulary
 draws its output rows, a row-parallel weight its input columns, stacked experts (E, H, I) only
 this rank's experts (blocks of one expert) and, under tp, its slice of their inner dim.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import itertools
 import math
+import os
 
 import torch
 import torch.nn as nn
 
 BLOCKS = 64  # at most this many blocks along a sharded dim
+# Threads drawing one parameter's tiles (one per core, at most 16), and the parameter size below
+# which one thread is faster than starting them.
+_DRAW_THREADS = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+_THREADED_NUMEL = 1 << 22
 
 
 def block_length(size: int) -> int:
@@ -102,12 +108,26 @@ def draw(name: str, full_shape: tuple, std: float | None, seed: int,
     # Dims cut without blocks (a parameter with no ``draw_blocks``): every tile spans them whole.
     unblocked = [(d, list(range(len(index[d]))), index[d]) for d in range(len(full_shape))
                  if d not in dims and index[d] != list(range(full_shape[d]))]
-    for tile in itertools.product(*(sorted(p) for p in parts)):
+    def draw_and_put(tile: tuple[int, ...]) -> None:
         shape = list(full_shape)
         for d, k in zip(dims, tile):
             shape[d] = min(blocks[d], full_shape[d] - k * blocks[d])
         values = _draw_tile(shape, std, _tile_seed(seed, name, tile))
         _put(out, values, [(d, *part[k]) for d, k, part in zip(dims, tile, parts)] + unblocked)
+
+    tiles = list(itertools.product(*(sorted(p) for p in parts)))
+    # Each tile has its own generator and its own elements of ``out``, so tiles can be drawn in
+    # any order and at once: normal_ releases the GIL, and a generator's draw is single-threaded,
+    # so threads are what spreads a billion-parameter init over the host's cores (at most
+    # ``_DRAW_THREADS`` tiles in flight). The values are those of the one-at-a-time loop.
+    workers = min(_DRAW_THREADS, len(tiles))
+    if workers <= 1 or out.numel() < _THREADED_NUMEL:
+        for tile in tiles:
+            draw_and_put(tile)
+        return out
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for done in pool.map(draw_and_put, tiles):
+            del done
     return out
 
 

@@ -5,7 +5,9 @@ built (``training/sharded_build.py``): TP2 (dp 2: each model-parallel rank's wei
 over two optimizer files), EP2 (dp 2) and TP2 x EP2 (dp 1), against a single-process ZeRO-2
 control on the same micro-batches. ``launch/evaluate.py`` and ``launch/convert_hf.py
 export`` on each run (``interop/consolidate.py``: ``zero_to_fp32`` per model-parallel rank, then
-the tp x ep merge) must give the single-process control's weights, loss and logits.
+the tp x ep merge) must give the single-process control's weights, loss and logits. The runs
+are ``launch/train.py``'s command line on ranks forked from one process that has imported the
+libraries (``tests.runs.WarmLauncher``; tests/launch/test_train.py covers torchrun).
 
 Tolerance: fp32; the layouts change only the summation order (~1e-7 relative per op). After 4
 AdamW steps nearly every weight agrees to ~1e-7, but AdamW's normalized update m / (sqrt(v) + eps)
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runs import WEIGHT_ATOL, ds_variant, launch, rows
+from tests.runs import WEIGHT_ATOL, WarmLauncher, ds_variant, rows
 
 STEPS = 4
 NO_JITTER = ["model.moe.router_jitter=0.0"]
@@ -41,12 +43,13 @@ def runs(tmp_path_factory):
     out = {"control": tmp / "control"}
     control = ds_variant(tmp, "zero2_fp32", train_micro_batch_size_per_gpu=4,
                          gradient_accumulation_steps=2)
-    launch(out["control"], control, nproc=1, steps=STEPS, extra=NO_JITTER)
-    for name, (extra, accumulation) in LAYOUTS.items():
-        out[name] = tmp / name
-        ds = ds_variant(tmp, "zero3_fp32", train_micro_batch_size_per_gpu=4,
-                        gradient_accumulation_steps=accumulation)
-        launch(out[name], ds, nproc=4, steps=STEPS, extra=NO_JITTER + extra)
+    with WarmLauncher() as warm:         # the libraries imported once, not 13 times
+        warm.launch(out["control"], control, nproc=1, steps=STEPS, extra=NO_JITTER)
+        for name, (extra, accumulation) in LAYOUTS.items():
+            out[name] = tmp / name
+            ds = ds_variant(tmp, "zero3_fp32", train_micro_batch_size_per_gpu=4,
+                            gradient_accumulation_steps=accumulation)
+            warm.launch(out[name], ds, nproc=4, steps=STEPS, extra=NO_JITTER + extra)
     return out
 
 

@@ -13,10 +13,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from deepspeed.launcher.runner import parse_args as deepspeed_parse_args
 from torch.distributed.run import get_args_parser as torchrun_args_parser
 
 from launch.train import parse_args as train_parse_args
+
+
+def _deepspeed_parse_args(argv):
+    """DeepSpeed's own launcher parser (imported here: collecting this file needs no deepspeed)."""
+    from deepspeed.launcher.runner import parse_args
+    return parse_args(argv)
+
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("cpu_local.sh", "gpu_1.sh", "node_8gpu.sh", "multinode_hostfile.sh", "multinode_8x8.sh",
@@ -91,7 +97,7 @@ def test_dry_run_prints_a_valid_command_with_the_cluster_shape(tmp_path, script,
     argv = _dry_run_argv(script, *hostfile, RECIPE, CONFIG, *EXTRA, env=env)
 
     if argv[0] == "deepspeed":                                  # (a) launcher, (c) shape
-        ds = deepspeed_parse_args(argv[1:])
+        ds = _deepspeed_parse_args(argv[1:])
         assert ds.num_gpus == nproc
         if hostfile:
             assert (ds.hostfile, ds.num_nodes) == (hostfile[0], nodes)
@@ -123,7 +129,7 @@ def test_recipe_header_commands_are_what_the_scripts_run(tmp_path):
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         header = "".join(l for l in recipe.read_text().splitlines(keepends=True) if l.startswith("#"))
         line = re.search(r"^#\s+(?:Launch: )?(deepspeed .*launch/train\.py .*)$", header, re.M).group(1)
-        ds = deepspeed_parse_args(shlex.split(line)[1:])
+        ds = _deepspeed_parse_args(shlex.split(line)[1:])
         if ds.hostfile == "hostfile":
             script = {2: "multinode_hostfile.sh", 8: "multinode_8x8.sh"}[ds.num_nodes]
             prefix = [_hostfile(tmp_path, ds.num_nodes)]

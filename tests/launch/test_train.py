@@ -1,8 +1,12 @@
 """The real training entry on 1-2 gloo ranks: ZeRO parity, exact accumulation, kill-and-resume,
 damaged or unverified checkpoints, W&B offline, evaluate.py on the result.
 
-Each launch is a real ``torchrun`` (or plain ``python``) process tree, as a user runs it; a launch
-costs 10-30 s on 2 cores, so each run is made once per module and several tests read it.
+A launch costs 10-30 s on 2 cores, mostly importing torch, DeepSpeed and transformers, so each
+run is made once per module and several tests read it. The runs that are killed or signalled
+(SIGKILL, SIGTERM, SIGUSR1) and the W&B run are real ``torchrun`` (or plain ``python``) process
+trees, as a user starts them. Every other run, the resumes after a kill included, is the same
+command line on ranks forked from one process that has imported those libraries
+(``tests.runs.WarmLauncher``): its subject is what the trainer computes, writes and prints.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import signal
 import sys
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import REPO, SMALL, STEPS, kill_after_step, launch, rows
+from tests.runs import REPO, SMALL, STEPS, WarmLauncher, kill_after_step, launch, rows
 from tests.runs import env as _env
 from tests.runs import ds_variant as _fp32_config
 
@@ -61,13 +66,20 @@ def eval_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory):
-    """The same recipe under ZeRO 0-3 (fp32), 2 ranks, 10 steps."""
+def warm():
+    with WarmLauncher() as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory, warm):
+    """The same recipe under ZeRO 0-3 (fp32), 2 ranks, 10 steps. ``zero_runs[3]`` is the
+    uninterrupted run that the killed, signalled and faulted runs below must reproduce."""
     tmp = tmp_path_factory.mktemp("zero")
     out = {}
     for stage in range(4):
         run_dir = tmp / f"zero{stage}"
-        launch(run_dir, f"ds_configs/zero{stage}_fp32.json")
+        warm.launch(run_dir, f"ds_configs/zero{stage}_fp32.json")
         out[stage] = run_dir
     return out
 
@@ -110,13 +122,13 @@ def test_metrics_rows_have_the_contract_fields(zero_runs):
     assert ckpts == ["step00000010"]
 
 
-def test_a_bf16_run_on_a_cpu_without_native_bf16_warns_once_and_trains_in_bf16(zero_runs, tmp_path):
+def test_a_bf16_run_on_a_cpu_without_native_bf16_warns_once_and_trains_in_bf16(zero_runs, warm, tmp_path):
     """The quick start's bf16 JSON: on a CPU without native bf16 one warning line naming
     ``ds_configs/zero3_fp32.json``, none on a CPU with it; the run trains in bf16 as asked. The
     fp32 runs print no such line."""
     from training import hardware
     run_dir = tmp_path / "bf16"
-    launch(run_dir, "ds_configs/zero3.json", nproc=1, steps=1)
+    warm.launch(run_dir, "ds_configs/zero3.json", nproc=1, steps=1)
     log = (tmp_path / "bf16.log").read_text()
     warnings = [line for line in log.splitlines() if "no native bf16" in line]
     assert len(warnings) == (1 if hardware.cpu_has_native_bf16() is False else 0), log[-3000:]
@@ -127,7 +139,7 @@ def test_a_bf16_run_on_a_cpu_without_native_bf16_warns_once_and_trains_in_bf16(z
         assert "no native bf16" not in (fp32_run.parent / f"{fp32_run.name}.log").read_text(), stage
 
 
-def test_accumulation_is_exact(tmp_path):
+def test_accumulation_is_exact(warm, tmp_path):
     # Mixtral routing is per token and dropless, the z-loss a per-token mean: with the
     # load-balancing loss off, micro 1 x accumulation 4 must equal micro 4 x accumulation 1 up to
     # summation order (fp32, ~1e-7; tolerance 1e-5 relative plus 1e-6 absolute per step). The
@@ -140,7 +152,7 @@ def test_accumulation_is_exact(tmp_path):
         run_dir = tmp_path / f"m{micro}a{acc}"
         # Jitter off: its noise is drawn per sample index within a micro-batch, so it differs
         # between micro 1 and micro 4 by design.
-        launch(run_dir, cfg, extra=["model.moe.aux_loss_coef=0.0", "model.moe.router_jitter=0.0"])
+        warm.launch(run_dir, cfg, extra=["model.moe.aux_loss_coef=0.0", "model.moe.router_jitter=0.0"])
         runs.append(rows(run_dir))
     for a, b in zip(*runs, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), a["step"]
@@ -148,7 +160,7 @@ def test_accumulation_is_exact(tmp_path):
 
 
 @pytest.mark.parametrize("kill_at", [4, 8])
-def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_path, kill_at):
+def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, warm, tmp_path, kill_at):
     """SIGKILL once step ``kill_at`` is logged; checkpoints every 3 steps, written in the
     background, so the newest save may still be in flight (unpublished) when the kill comes.
     The same command resumes from ``latest`` (or, killed before any save was published, starts
@@ -161,7 +173,7 @@ def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_pat
     unfinished = tag is None and (ckpt / "step00000003").exists()
     newest = kill_at // 3 * 3                        # the newest save started before the kill
     assert tag in {f"step{newest:08d}", f"step{newest - 3:08d}" if newest > 3 else None}, tag
-    launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
     log = (tmp_path / f"killed-{kill_at}.log").read_text()
     assert (f"resumed from {ckpt / tag}" in log if tag else "resumed from" not in log and
             ("holds only unfinished saves" in log) == unfinished), log[-3000:]
@@ -175,16 +187,28 @@ def test_sigkill_and_restart_reproduces_the_uninterrupted_run(zero_runs, tmp_pat
     assert kept == ["step00000006", "step00000009", "step00000010"]      # keep_last 3
 
 
+@pytest.fixture(scope="module")
+def killed_after_7(tmp_path_factory):
+    """A run (checkpoints every 3 steps) SIGKILLed once step 7 is logged: two steps before the next
+    save, so no half-written step 9 can join in. Each damage test damages a copy of it."""
+    run_dir = tmp_path_factory.mktemp("killed7") / "run"
+    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=["train.save_every=3"],
+                           wait=False), run_dir, 7)
+    return run_dir
+
+
 @pytest.mark.parametrize("damage", ["truncated_file", "manifest_deleted"])
-def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, tmp_path, damage):
-    """Checkpoints 3 and 6 (``latest``) of a run killed after step 7 (two steps before the next
-    save, so no half-written step 9 can join in); step 6 damaged; the same command warns once,
-    resumes from step 3 and reproduces the uninterrupted run."""
+def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, killed_after_7, warm,
+                                                                 tmp_path, damage):
+    """Checkpoints 3 and 6 (``latest``) of a run killed after step 7 (a copy of
+    ``killed_after_7``: the damage comes after the kill, so both cases start from the same
+    files); step 6 damaged; the same command warns once, resumes from step 3 and reproduces the
+    uninterrupted run."""
     import torch
 
     from training import manifest
     run_dir, args = tmp_path / damage, ["train.save_every=3"]
-    kill_after_step(launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, wait=False), run_dir, 7)
+    shutil.copytree(killed_after_7, run_dir)
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000006"
     assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000003", "step00000006"]
@@ -196,7 +220,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, tmp_
     else:
         (newest / "manifest.json").unlink()
         reason = "has no manifest.json"
-    launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
     log = (tmp_path / f"{damage}.log").read_text()
     warnings = [line for line in log.splitlines() if line.startswith("warning: skipping")]
     assert warnings == [f"warning: skipping checkpoints in {ckpt} that do not verify "
@@ -216,7 +240,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, tmp_
 FAULT_RUN = "tests/training/_save_fault_run.py"
 
 
-def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, tmp_path):
+def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, warm, tmp_path):
     """Both ranks cut their files of checkpoint 6 to half and stop there; SIGKILL. The same
     command skips the half-written checkpoint (no manifest) and resumes from step 3."""
     import time
@@ -234,7 +258,7 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, tmp_pa
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "step00000003"
     assert not (ckpt / "step00000006" / "manifest.json").exists()
-    launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)      # the same command, no fault
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)      # the same command, no fault
     log = (tmp_path / "mid-save.log").read_text()
     assert f"resumed from {ckpt / 'step00000003'}" in log
     resumed, ref = rows(run_dir), rows(zero_runs[3])
@@ -244,7 +268,7 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, tmp_pa
 
 
 @pytest.mark.parametrize("policy,background", [("continue", True), ("stop", True), ("stop", False)])
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_path, policy,
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, warm, tmp_path, policy,
                                                                  background):
     """Rank 1's files of checkpoint 6 fail with ENOSPC, written by DeepSpeed in the loop or by
     the background writer (``train.async_save``). One warning line from that rank; the partial
@@ -260,8 +284,8 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_
     run_dir = tmp_path / policy
     args = ["train.save_every=3", f"train.on_save_error={policy}",
             f"train.async_save={str(background).lower()}"]
-    proc = launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, script=FAULT_RUN, check=False,
-                  extra_env={"FAULT": "enospc", "FAULT_TAG": "step00000006", "FAULT_RANK": "1"})
+    rc = warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args, script=FAULT_RUN, check=False,
+                     extra_env={"FAULT": "enospc", "FAULT_TAG": "step00000006", "FAULT_RANK": "1"})
     log = (tmp_path / f"{policy}.log").read_text()
     ckpt = run_dir / "checkpoints"
     warnings = [line for line in log.splitlines() if "could not write checkpoint" in line]
@@ -271,17 +295,17 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_
     assert warnings[0].endswith("latest still names the previous checkpoint")
     assert not (ckpt / "step00000006").exists()
     if policy == "continue":
-        assert proc.returncode == 0, log[-3000:]
+        assert rc == 0, log[-3000:]
         assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000003", "step00000009",
                                                               "step00000010"]
     else:
-        assert proc.returncode != 0 and "(exit code 74)" in log, log[-3000:]
+        assert rc == 74 and "(exit code 74)" in log, log[-3000:]
         stopped = re.search(r"stopping at step (\d+): its checkpoint for step 6 could not be written "
                             r"\(exit code 74\); free space and run the same command to resume "
                             r"from step00000003", log)
         assert stopped and int(stopped.group(1)) in ((6, 7) if background else (6,)), log[-3000:]
         assert (ckpt / "latest").read_text().strip() == "step00000003"
-        launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)  # the disk has room again
+        warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)  # the disk has room again
     for tag in (p.name for p in ckpt.glob("step*")):
         assert manifest.verify(ckpt / tag, 0, 1, torch.device("cpu")) is None, tag
     resumed, ref = rows(run_dir), rows(zero_runs[3])
@@ -291,7 +315,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, tmp_
 
 
 @pytest.mark.parametrize("background", [True, False])
-def test_a_slow_filesystem_stalls_only_a_synchronous_save(zero_runs, tmp_path, background):
+def test_a_slow_filesystem_stalls_only_a_synchronous_save(zero_runs, warm, tmp_path, background):
     """Every file write of checkpoint 3 takes 3 s longer (``FAULT=slow``). In the background
     (``train.async_save``, the default) the loop waits only for the snapshot: under 1.5 s, and
     the steps after 3 are trained while the files are written. Written in the loop, the save
@@ -301,9 +325,9 @@ def test_a_slow_filesystem_stalls_only_a_synchronous_save(zero_runs, tmp_path, b
 
     from training import manifest
     run_dir = tmp_path / f"slow-{background}"
-    launch(run_dir, "ds_configs/zero3_fp32.json", script=FAULT_RUN,
-           extra=["train.save_every=3", f"train.async_save={str(background).lower()}"],
-           extra_env={"FAULT": "slow", "FAULT_TAG": "step00000003"})
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json", script=FAULT_RUN,
+                extra=["train.save_every=3", f"train.async_save={str(background).lower()}"],
+                extra_env={"FAULT": "slow", "FAULT_TAG": "step00000003"})
     logged = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     stall = {r["step"]: r["save_stall_s"] for r in logged if "save_stall_s" in r}
     assert sorted(stall) == [3, 6, 9, 10]
@@ -322,7 +346,7 @@ def _listing(root: Path) -> dict:
             for p in [root, *sorted(root.rglob("*"))]}
 
 
-def test_no_verified_checkpoint_stops_with_one_line_and_writes_nothing(tmp_path):
+def test_no_verified_checkpoint_stops_with_one_line_and_writes_nothing(warm, tmp_path):
     """One process: a checkpoint without a manifest (a failed save, or one written without this
     trainer's manifest) and ``latest`` naming a folder that is gone. The trainer must not start
     over."""
@@ -336,15 +360,16 @@ def test_no_verified_checkpoint_stops_with_one_line_and_writes_nothing(tmp_path)
     (run_dir / "config.json").write_text(json.dumps({"recipe": recipe.to_dict(), "ds_config": {}}))
     (run_dir / "metrics.jsonl").write_text('{"step": 10, "loss": 8.2}\n')
     before = _listing(run_dir)
-    out = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                          "--run-dir", str(run_dir), "--steps", str(STEPS), "--set", *SMALL],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert [line for line in out.stderr.splitlines() if line.startswith("error:")] == [
+    rc = warm.run(["launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--run-dir",
+                   str(run_dir), "--steps", str(STEPS), "--set", *SMALL],
+                  tmp_path / "unverified.out", stderr=tmp_path / "unverified.err")
+    stderr = (tmp_path / "unverified.err").read_text()
+    assert rc == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [
         f"error: no checkpoint in {ckpt} verifies (step00000099 is missing, step00000010 has no "
         f"manifest.json): restore step00000099 from a copy, or move {ckpt} aside to start from "
-        f"step 0 (a checkpoint without a manifest counts as unverified)"], out.stderr
+        f"step 0 (a checkpoint without a manifest counts as unverified)"], stderr
     assert _listing(run_dir) == before
 
 
@@ -365,7 +390,7 @@ def _signal_after_step(proc, run_dir: Path, step: int) -> float:
     return sent
 
 
-def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zero_runs, tmp_path):
+def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zero_runs, warm, tmp_path):
     """Preemption (``training/preemption.py``): the ranks finish the step they are in, save it
     (not a save step: save_every is 100) and exit 75 within 60 s; the same command resumes and
     the losses match the uninterrupted run's."""
@@ -386,7 +411,7 @@ def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zer
     assert found.group(2) == f"step{step:08d}"
     assert "received SIGTERM: finishing this optimizer step" in log
     time.sleep(2)                                 # the launcher's own exit after its workers'
-    launch(run_dir, "ds_configs/zero3_fp32.json")     # the same command again
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json")     # the same command again
     assert f"resumed from {run_dir / 'checkpoints' / found.group(2)}" in proc_log.read_text()
     resumed, ref = rows(run_dir), rows(zero_runs[3])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))   # no step lost or repeated
@@ -394,7 +419,7 @@ def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zer
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]   # as the SIGKILL test
 
 
-def test_preemption_exit_code_and_signal_names(tmp_path):
+def test_preemption_exit_code_and_signal_names(warm, tmp_path):
     """One process (``python launch/train.py``): SIGUSR1 is a preemption signal too, and the
     process itself exits 75; a signal name that cannot be caught is refused before the start."""
     import signal
@@ -408,17 +433,18 @@ def test_preemption_exit_code_and_signal_names(tmp_path):
     assert proc.wait(timeout=60) == 75, (tmp_path / "usr1.log").read_text()[-3000:]
     step = int((run_dir / "checkpoints" / "latest").read_text().strip()[len("step"):])
     assert 1 <= step < STEPS
-    bad = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                          "--run-dir", str(tmp_path / "bad"), "--set", "train.preemption_signals=[SIGKILL]"],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-    assert bad.stderr.strip().splitlines() == [
+    rc = warm.run(["launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--run-dir",
+                   str(tmp_path / "bad"), "--set", "train.preemption_signals=[SIGKILL]"],
+                  tmp_path / "bad.out", timeout=120, stderr=tmp_path / "bad.err")
+    stderr = (tmp_path / "bad.err").read_text()
+    assert rc == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines() == [
         "error: train.preemption_signals: 'SIGKILL' is not a signal a process can catch; use names "
-        "such as SIGTERM, SIGUSR1, SIGUSR2"], bad.stderr
+        "such as SIGTERM, SIGUSR1, SIGUSR2"], stderr
     assert not (tmp_path / "bad").exists()
 
 
-def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path):
+def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path, capsys):
     run_dir = tmp_path / "wb"
     # lr 1e-2 so that 10 steps learn enough for evaluate.py to tell a trained model from a random
     # one (ln 4096 = 8.318). Measured: the training loss 8.327 -> 7.011, the eval loss 7.908 at
@@ -450,13 +476,14 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path
         assert r["router_entropy"] == pytest.approx(
             (h["moe/layer0/router_entropy"] + h["moe/layer1/router_entropy"]) / 2)
 
+    # evaluate.py's main in this process (its command line is run as a script by
+    # tests/interop/test_qwen_moe_training_round_trip.py and tests/launch/test_cli_errors.py).
+    from launch import evaluate
     text = tmp_path / "eval.txt"
     text.write_text((Path(os.__file__).parent / "this.py").read_text() * 3)
-    out = subprocess.run([sys.executable, "launch/evaluate.py", "--run-dir", str(run_dir),
-                          "--text-file", str(text)], cwd=REPO, env=_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    assert evaluate.main(["--run-dir", str(run_dir), "--text-file", str(text)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ln_vocab = math.log(4096)
     assert ours[-1]["loss"] < ours[0]["loss"] - 0.6, [r["loss"] for r in ours]
     evals = eval_losses(run_dir)

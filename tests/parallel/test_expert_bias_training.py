@@ -17,6 +17,10 @@ accumulation 2 (dp 1), so every step sees the same 8 sequences:
   bias stays fp32 and the same on both ranks, and a copy of the run resumed from its step-3
   checkpoint ends with the uninterrupted run's bias (the bias is restored with the weights).
 
+Each run is ``launch/train.py``'s command line on ranks forked from one process that has
+imported the libraries (``tests.runs.WarmLauncher``): what is compared is what the trainer
+computes, not how it is started (tests/launch/test_train.py covers torchrun).
+
 Tolerances: the bias is a sum of +-rate steps (one per step and expert, from integer counts),
 so equal routing decisions give bitwise equal biases and any differing decision moves an entry
 by 2e-3: compared exactly. The logged losses of the layouts match the control's to relative
@@ -32,7 +36,7 @@ import pytest
 import torch
 
 from interop.consolidate import load_run_model
-from tests.runs import ds_variant, launch, rows
+from tests.runs import WarmLauncher, ds_variant, rows
 
 STEPS = 6
 RATE = 1e-3
@@ -70,22 +74,22 @@ def runs(tmp_path_factory):
     batch = dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
     config, zero3 = ds_variant(tmp, "zero1_fp32", **batch), ds_variant(tmp, "zero3", **batch)
     zero3_fp32 = ds_variant(tmp, "zero3_fp32", **batch)
+    layouts = (("control", 1, ON, config), ("ep2", 2, ON + EP2, config), ("pp2", 2, ON + PP2, config),
+               ("ep2-off", 2, MODEL + EP2, config), ("tp2", 2, ON + TP2, config),
+               ("tp2xep2", 4, ON + TP2 + EP2, config), ("ep2-zero3", 2, ON + EP2, zero3_fp32),
+               ("tp2-zero3", 2, ON + TP2, zero3_fp32), ("ep2-zero3-bf16", 2, ON + EP2, zero3))
     out = {}
-    for name, nproc, extra, ds in (("control", 1, ON, config), ("ep2", 2, ON + EP2, config),
-                                   ("pp2", 2, ON + PP2, config), ("ep2-off", 2, MODEL + EP2, config),
-                                   ("tp2", 2, ON + TP2, config), ("tp2xep2", 4, ON + TP2 + EP2, config),
-                                   ("ep2-zero3", 2, ON + EP2, zero3_fp32),
-                                   ("tp2-zero3", 2, ON + TP2, zero3_fp32),
-                                   ("ep2-zero3-bf16", 2, ON + EP2, zero3)):
-        out[name] = tmp / name
-        launch(out[name], ds, nproc=nproc, extra=extra, steps=STEPS)
-    # Resume a copy of the ZeRO-3 run from its step-3 checkpoint (the same command again).
-    out["resumed"] = tmp / "resumed"
-    shutil.copytree(out["ep2-zero3-bf16"], out["resumed"])
-    ckpt = out["resumed"] / "checkpoints"
-    shutil.rmtree(ckpt / f"step{STEPS:08d}")
-    (ckpt / "latest").write_text(f"step{STEPS // 2:08d}")
-    launch(out["resumed"], zero3, nproc=2, extra=ON + EP2, steps=STEPS)
+    with WarmLauncher() as warm:       # 10 runs, 21 ranks: the libraries imported once, not 21 times
+        for name, nproc, extra, ds in layouts:
+            out[name] = tmp / name
+            warm.launch(out[name], ds, nproc=nproc, extra=extra, steps=STEPS)
+        # Resume a copy of the ZeRO-3 run from its step-3 checkpoint (the same command again).
+        out["resumed"] = tmp / "resumed"
+        shutil.copytree(out["ep2-zero3-bf16"], out["resumed"])
+        ckpt = out["resumed"] / "checkpoints"
+        shutil.rmtree(ckpt / f"step{STEPS:08d}")
+        (ckpt / "latest").write_text(f"step{STEPS // 2:08d}")
+        warm.launch(out["resumed"], zero3, nproc=2, extra=ON + EP2, steps=STEPS)
     return out
 
 

@@ -17,41 +17,49 @@ block plus 3).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
-from tests.runs import SMALL, ds_variant, env, launch, rows
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.runs import WarmLauncher, ds_variant, rows
+from tests.training.test_host_syncs import MODERN
 
 LAYERS = 4            # tiny Mixtral's own depth
+STEPS = 4
 ROUTED_COUNTS = "model/moe/layer.py:load_balancing_losses"
+COUNT_RUN = "tests/training/_count_allreduce_run.py"
 
 
-def _counts(tmp_path: Path, accumulation: int, extra=()) -> list[dict]:
-    name = f"acc{accumulation}{'-modern' if extra else ''}"
-    config = ds_variant(tmp_path, "zero1_fp32", train_micro_batch_size_per_gpu=2,
-                        gradient_accumulation_steps=accumulation)
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(REPO / "tests" / "training" / "_count_allreduce_run.py"),
-           "--config", config, "--run-dir", str(tmp_path / f"run-{name}"), "--steps", "3",
-           "--set", *SMALL, "parallel.expert_parallel_size=2", "eval.every=0",
-           f"model.num_layers={LAYERS}", *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "ALLREDUCE_COUNTS": str(out)},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    ranks = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of this module, counted by ``_count_allreduce_run.py`` (which only counts: it
+    changes no value): 2 ranks at EP2, micro-batch 2, 4 layers, 4 steps, eval off; fp32 ZeRO-1 at
+    accumulation 1 and 4, the loss-free-balancing model at 4, and fp32 ZeRO-2 at 4. Each name maps
+    to the prefix of the run's ``<prefix>.<rank>.json`` counts; its run directory is
+    ``<prefix>-run``."""
+    tmp = tmp_path_factory.mktemp("allreduce")
+    out = {}
+    with WarmLauncher() as warm:
+        for name, stage, accumulation, extra in (("acc1", 1, 1, ()), ("acc4", 1, 4, ()),
+                                                 ("acc4-modern", 1, 4, MODERN),
+                                                 ("acc4-zero2", 2, 4, ())):
+            out[name] = tmp / name
+            config = ds_variant(tmp, f"zero{stage}_fp32", train_micro_batch_size_per_gpu=2,
+                                gradient_accumulation_steps=accumulation)
+            warm.launch(tmp / f"{name}-run", config, nproc=2, steps=STEPS, script=COUNT_RUN,
+                        extra=["parallel.expert_parallel_size=2", "eval.every=0",
+                               f"model.num_layers={LAYERS}", *extra],
+                        extra_env={"ALLREDUCE_COUNTS": str(out[name])})
+    return out
+
+
+def _counts(runs: dict[str, Path], name: str) -> list[dict]:
+    ranks = [json.loads(Path(f"{runs[name]}.{r}.json").read_text()) for r in range(2)]
     return [steps[str(s)] for steps in ranks for s in (2, 3)]     # step 1 warms up
 
 
-def test_all_reduces_per_step_barely_grow_with_accumulation(tmp_path):
-    one, four = _counts(tmp_path, 1), _counts(tmp_path, 4)
+def test_all_reduces_per_step_barely_grow_with_accumulation(runs):
+    one, four = _counts(runs, "acc1"), _counts(runs, "acc4")
     print("accumulation 1:", json.dumps(one[0], indent=1))
     print("accumulation 4:", json.dumps(four[0], indent=1))
     assert len({s["count"] for s in one}) == 1 and len({s["count"] for s in four}) == 1, (one, four)
@@ -66,29 +74,23 @@ def test_all_reduces_per_step_barely_grow_with_accumulation(tmp_path):
             assert where == {k: v for k, v in one[0]["where"] if k != ROUTED_COUNTS}, (step, one[0])
 
 
-def test_step_mode_accumulation_matches_per_micro_batch_sums(tmp_path):
+def test_step_mode_accumulation_matches_per_micro_batch_sums(runs):
     """Micro-batch 2 x accumulation 4 at EP2: fp32 ZeRO-1 (the "step" mode: one sum at the
     boundary) against fp32 ZeRO-2 (DeepSpeed's hooks take ``.grad`` every micro-batch, so the
     "micro_batch" mode sums each backward). The same losses and gradient norms to summation-order
-    rounding."""
-    got = {}
-    for stage in (1, 2):
-        config = ds_variant(tmp_path, f"zero{stage}_fp32", train_micro_batch_size_per_gpu=2,
-                            gradient_accumulation_steps=4)
-        run_dir = tmp_path / f"zero{stage}"
-        launch(run_dir, config, nproc=2, steps=4,
-               extra=["parallel.expert_parallel_size=2", "eval.every=0"])
-        got[stage] = rows(run_dir)
-    assert len(got[1]) == len(got[2]) == 4
+    rounding. The ZeRO-1 run is the counted one above (4 layers, every one with replicated
+    parameters to sum, rather than 2: the same comparison over more of them)."""
+    got = {stage: rows(Path(f"{runs[name]}-run")) for stage, name in ((1, "acc4"), (2, "acc4-zero2"))}
+    assert len(got[1]) == len(got[2]) == STEPS
     for a, b in zip(got[2], got[1]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
 
 
-def test_the_expert_bias_update_adds_no_all_reduce(tmp_path):
+def test_the_expert_bias_update_adds_no_all_reduce(runs):
     """Loss-free balancing (with sigmoid scores, groups and gated shared experts): the update
     reads the step statistics' all-reduce, so the all-reduces are the same, call site by call
-    site, as plain tiny Mixtral's."""
-    from tests.training.test_host_syncs import MODERN
-    plain, modern = _counts(tmp_path, 2), _counts(tmp_path, 2, MODERN)
+    site, as plain tiny Mixtral's (both at accumulation 4: the update happens once per step, after
+    every micro-batch's counts)."""
+    plain, modern = _counts(runs, "acc4"), _counts(runs, "acc4-modern")
     assert [s["where"] for s in modern] == [s["where"] for s in plain], (plain[0], modern[0])
