@@ -48,7 +48,7 @@ xxhash yarl zipp"
 
 # Steps of each part, in order of value: name:cap_seconds.
 PART1="device_contract:50 dense:110 moe:150"
-PART2="moe_layer:30 end_to_end:50 compile:70 nccl_check:20 gpu_tests:40"
+PART2="moe_layer:30 end_to_end:60 compile:60 nccl_check:20 gpu_tests:40"
 KIT_CAP=30
 # The summary's section titles, which the rehearsal checks.
 declare -A TITLE=([device_contract]="device contract" [dense]="dense" [moe]="MoE" [moe_layer]="MoE layer"
