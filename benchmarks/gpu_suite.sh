@@ -119,12 +119,15 @@ step_device_contract() {
 }
 
 train_recipe() {   # NAME RECIPE: bf16 steps of a recipe on one GPU, then its figures beside the estimator
-  local name=$1 recipe=$2 run=$WORK/runs/$1
-  rm -rf "$run"
-  "$PY" launch/train.py --config "$DS" --recipe "$recipe" --steps "$STEPS" --run-dir "$run" \
-    --set train.log_every=5 $COMMON_SETS $(data_sets $BIG_VOCAB) ${GPU_SUITE_SETS:-} || return 1
+  local name=$1 recipe=$2 run=$WORK/runs/$1 estimate
+  rm -rf "$run" && mkdir -p "$WORK/runs"
+  # The estimate (host work) while the run trains.
   "$PY" launch/estimate_memory.py --recipe "$recipe" --config "$DS" --gpus 1 --gpu h200-141gb --json \
-    > "$WORK/$name.estimate.json" || return 1
+    > "$WORK/$name.estimate.json" &
+  estimate=$!
+  "$PY" launch/train.py --config "$DS" --recipe "$recipe" --steps "$STEPS" --run-dir "$run" \
+    --set train.log_every=5 $COMMON_SETS $(data_sets $BIG_VOCAB) ${GPU_SUITE_SETS:-} || { wait $estimate; return 1; }
+  wait $estimate || return 1
   {
     echo "\`launch/train.py --config $DS --recipe $recipe --steps $STEPS\` (estimator: \`--gpus 1 --gpu h200-141gb\`)"
     echo

@@ -167,11 +167,12 @@ def _torchrun_env(rank: int, nproc: int, port: int) -> dict:
 
 def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
     """In a forked child: become rank ``rank`` of the request and run its script as
-    ``__main__``; ends the process with the script's exit code, never returns."""
+    ``__main__``. The child then ends as ``python script`` would: ``sys.exit`` and uncaught
+    errors (traceback, code 1) as Python handles them, and with the interpreter's finalization
+    (atexit handlers, flushed streams). It never returns to the server's loop."""
     import random
     import runpy
     import traceback
-    code = 1
     try:
         os.setpgid(0, leader)                      # the run's group (leader 0: a new one)
         os.environ.clear()
@@ -187,21 +188,11 @@ def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
         script = str(REPO / request["argv"][0])
         sys.argv = [script, *request["argv"][1:]]
         sys.path[0] = os.path.dirname(script)      # as ``python script`` sets it
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as done:
-            code = done.code if isinstance(done.code, int) else int(done.code is not None)
-            if isinstance(done.code, str):
-                print(done.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        os._exit(1)
+    runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
 
 
 def _serve() -> None:
@@ -227,7 +218,7 @@ def _serve() -> None:
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
-                os.close(replies.fileno())         # only the server answers
+                replies.close()                    # only the server answers
                 _run_rank(request, rank, port, pids[0] if pids else 0)
             if not pids:                           # rank 0 leads the group (before rank 1 joins)
                 with contextlib.suppress(OSError):  # (it may have set it, or exited, already)

@@ -3,10 +3,10 @@ damaged or unverified checkpoints, W&B offline, evaluate.py on the result.
 
 A launch costs 10-30 s on 2 cores, mostly importing torch, DeepSpeed and transformers, so each
 run is made once per module and several tests read it. The runs that are killed or signalled
-(SIGKILL, SIGTERM, SIGUSR1) and the W&B run are real ``torchrun`` (or plain ``python``) process
-trees, as a user starts them. Every other run, the resumes after a kill included, is the same
-command line on ranks forked from one process that has imported those libraries
-(``tests.runs.WarmLauncher``): its subject is what the trainer computes, writes and prints.
+(SIGKILL, SIGTERM, SIGUSR1) are real ``torchrun`` (or plain ``python``) process trees, as a user
+starts them. Every other run, the resumes after a kill included, is the same command line on
+ranks forked from one process that has imported those libraries (``tests.runs.WarmLauncher``):
+its subject is what the trainer computes, writes and prints.
 """
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def test_preemption_exit_code_and_signal_names(warm, tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path, capsys):
+def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(warm, tmp_path, capsys):
     run_dir = tmp_path / "wb"
     # lr 1e-2 so that 10 steps learn enough for evaluate.py to tell a trained model from a random
     # one (ln 4096 = 8.318). Measured: the training loss 8.327 -> 7.011, the eval loss 7.908 at
@@ -452,8 +452,8 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(tmp_path
     config = json.loads((REPO / "ds_configs" / "zero2_fp32.json").read_text())
     config["optimizer"]["params"]["lr"] = 1e-2
     (tmp_path / "zero2_lr1e-2.json").write_text(json.dumps(config))
-    launch(run_dir, str(tmp_path / "zero2_lr1e-2.json"), nproc=1,
-           extra=["tracking.wandb=true", "tracking.tags=[test]"])
+    warm.launch(run_dir, str(tmp_path / "zero2_lr1e-2.json"), nproc=1,
+                extra=["tracking.wandb=true", "tracking.tags=[test]"])
     log = (tmp_path / "wb.log").read_text()
     assert "wandb sync" in log
     offline = list((run_dir / "wandb").glob("offline-run-*"))
