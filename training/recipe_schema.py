@@ -112,8 +112,7 @@ class TrainConfig:
     seed: int = 1234
     """Seed of model init, data order and every RNG stream (resume continues them)."""
     save_every: int = 50
-    """Optimizer steps between checkpoints (the last step is always saved); 0 saves none (only a
-    preemption or a spike stop does), for throughput runs such as the GPU suite."""
+    """Steps between checkpoints, and one at the last step; 0 saves only on preemption or spike stop."""
     keep_last: int = 3
     """Checkpoints kept on disk, oldest deleted first; 0 keeps all."""
     log_every: int = 10

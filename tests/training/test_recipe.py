@@ -208,7 +208,7 @@ ERRORS = [
     (["parallel.tensor_parallel_size=0"], r"parallel\.tensor_parallel_size \(0\) must be an "
                                           r"integer >= 1"),
     (["train.steps=0"], r"train\.steps \(0\) must be an integer >= 1"),
-    (["train.save_every=0"], r"train\.save_every \(0\) must be an integer >= 1"),
+    (["train.save_every=-1"], r"train\.save_every \(-1\) must be an integer >= 0"),
     (["data.seq_len=256"], r"data\.seq_len \(256\) exceeds model\.max_seq_len \(128\)"),
     (["tokenizer.vocab_size=8192"], r"tokenizer\.vocab_size \(8192\) exceeds model\.vocab_size "
                                     r"\(4096\)"),
