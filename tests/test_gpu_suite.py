@@ -53,10 +53,10 @@ def test_the_rehearsal_runs_every_step_of_both_parts(rehearsal):
     assert len(statuses) == len(SECTIONS) and all(s[0] == "ok" for s in statuses), statuses
     assert all(int(took) <= int(cap) for _, took, cap in statuses)
     if alone:      # CI's run, from a fresh clone, the kit fetched and built in it
-        # The goal is 240 s; measured 260 s in a fresh-clone run on a machine another job shared.
-        # 300 s guards CI's hour against a rehearsal that grows; the figure is printed either way.
-        print(f"gpu suite rehearsal: {seconds:.0f} s in CI (goal 240 s)")
-        assert seconds <= 300, f"the rehearsal took {seconds:.0f} s in CI; the goal is 240 s"
+        # The contract is 4 minutes from a fresh clone, run alone (.ci/run runs it before pytest):
+        # measured 184 s on the 2-core machine.
+        print(f"gpu suite rehearsal: {seconds:.0f} s in CI (at most 240 s)")
+        assert seconds <= 240, f"the rehearsal took {seconds:.0f} s in CI; it must take at most 240 s"
 
 
 def test_the_caps_fit_the_device_commands(rehearsal):
