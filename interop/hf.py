@@ -222,9 +222,10 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
 # --------------------------------------------------------------------------- state dicts
 
 def _reference_shapes(cfg: TransformerConfig) -> dict[str, torch.Size]:
-    """Our parameter names and shapes for ``cfg``, read off a model built on the meta device."""
+    """Our parameter names and shapes for ``cfg``, read off a model built on the meta device
+    without its weight init (``init_seed=None``: shapes need no weights)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, init_seed=None)
     return {name: p.shape for name, p in model.state_dict().items()}
 
 

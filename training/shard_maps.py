@@ -27,6 +27,8 @@ def _strides(shape) -> tuple[int, ...]:
 
 def _runs(values) -> list[list[int]]:
     """``[source start, shard start, length]`` of each run of consecutive indices in ``values``."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return [[values[0], 0, len(values)]]                   # one run: compared at C speed
     out = []
     for j, v in enumerate(values):
         if out and v == out[-1][0] + out[-1][2]:
@@ -38,7 +40,9 @@ def _runs(values) -> list[list[int]]:
 
 def _boxes(cfg, tp: int, ep: int, expert_placement: str):
     """Per parameter and mp rank, the boxes (one run per dimension) of the full tensor that
-    rank holds, plus the full and shard shapes; from models built on the meta device."""
+    rank holds, plus the full and shard shapes; from models built on the meta device without
+    their weight init (drawing meta tensors tile by tile costs seconds and sets nothing read
+    here)."""
     from model import Transformer
     from model.parallel.groups import ParallelGroups
 
@@ -50,7 +54,7 @@ def _boxes(cfg, tp: int, ep: int, expert_placement: str):
             layout = ParallelGroups(tp=tp, ep=ep, tp_rank=tp_rank, ep_rank=ep_rank,
                                     expert_placement=expert_placement)
             with torch.device("meta"):
-                model = Transformer(cfg, layout)
+                model = Transformer(cfg, layout, init_seed=None)    # the cuts, no weights
             for name, p in model.named_parameters():
                 index = [list(range(n)) for n in p.full_shape]
                 for dim, idx in p.shard_spec:
