@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from training import run_setup
+    from training import preflight, run_setup
     from training.ds_config import load_ds_config, validate_ds_config
     from training.recipe import load_recipe
 
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     for size in args.sizes.split(","):
         recipe = load_recipe(args.recipe, SIZES[size] + ["model.moe.router_jitter=0.0"])
         ctx = run_setup.init_distributed(recipe)
-        ds = run_setup.resolve_ds_config(ds0, recipe)
+        ds = preflight.resolve_ds_config(ds0, recipe)
         micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         if args.op_profile:
             op_profile(recipe, micro, ctx.device)

@@ -199,7 +199,7 @@ class Fsdp2Run:
 
 def setup(model: str, args):
     """Recipe, resolved DeepSpeed JSON and process groups, as ``launch/train.py`` prepares them."""
-    from training import ds_config, run_setup
+    from training import ds_config, preflight, run_setup
     from training.recipe import apply_overrides, load_recipe
     ds_sets = [o for o in args.set if o.startswith("ds.")]
     recipe = load_recipe(REPO / RECIPES[model], [f"train.steps={args.steps}",
@@ -211,7 +211,7 @@ def setup(model: str, args):
                          f"with tensor, expert or pipeline parallelism is not compared here")
     ds = apply_overrides(ds_config.load_ds_config(REPO / args.config), ds_sets, "DeepSpeed key", "ds.")
     ds = ds_config.validate_ds_config(ds, dims.dp)
-    ds = run_setup.resolve_ds_config(ds, recipe)
+    ds = preflight.resolve_ds_config(ds, recipe)
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
     if stage != 3 or half:

@@ -72,13 +72,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from training import run_setup
+    from training import preflight, run_setup
     from training.ds_config import load_ds_config, validate_ds_config
     from training.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, end_to_end.SIZES[args.size] + ["model.moe.router_jitter=0.0"])
     ctx = run_setup.init_distributed(recipe)
-    ds0 = run_setup.resolve_ds_config(validate_ds_config(load_ds_config(args.config), dp_size=1), recipe)
+    ds0 = preflight.resolve_ds_config(validate_ds_config(load_ds_config(args.config), dp_size=1), recipe)
     micro, acc = ds0["train_micro_batch_size_per_gpu"], ds0["gradient_accumulation_steps"]
     batches = end_to_end._batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
     runs = {}

@@ -3,10 +3,14 @@
 #
 # A launch script sets the cluster shape, sources this file and calls one launch_* function:
 #     NUM_NODES=2; NPROC_PER_NODE=8; source launch/common.sh; launch_deepspeed_hostfile "$@"
-# Its arguments: [--dry-run] [HOSTFILE] RECIPE CONFIG [train.py args ...]. Everything after CONFIG
-# goes to launch/train.py unchanged (--steps N, --run-dir D, --set k=v ..., --init-from D).
-# --dry-run (anywhere) prints the exact command on stdout, shell-quoted on one line, and the
-# environment on stderr, and exits 0 without running anything. Paths are relative to the
+# Its arguments: [--dry-run] [--max-restarts N] [HOSTFILE] RECIPE CONFIG [train.py args ...].
+# Everything after CONFIG goes to launch/train.py unchanged (--steps N, --run-dir D, --set k=v ...,
+# --init-from D). --dry-run (anywhere) prints the exact command on stdout, shell-quoted on one
+# line, and the environment on stderr, and exits 0 without running anything. --max-restarts N
+# (anywhere; default 0) reruns the command, which resumes from the newest verified checkpoint,
+# up to N times after a lost or stopped rank (exit code 76), a preemption the scheduler does not
+# requeue (75) or a launcher that died with a killed rank; never after bad input (2), out of
+# memory (3) or a checkpoint that could not be written (74) (_run_restarting). Paths are relative to the
 # directory you run from, as for every other command in this repo; multi-node runs need the repo
 # and the paths at the same place on every node (a shared filesystem).
 
@@ -38,6 +42,15 @@ _setenv NCCL_IB_HCA ""
 _setenv NCCL_SOCKET_IFNAME ""
 # 1 forces TCP sockets instead of InfiniBand/RoCE: on clusters without IB, or to rule IB out in a hang.
 _setenv NCCL_IB_DISABLE ""
+# PyTorch's NCCL watchdog: a collective that fails or times out aborts its communicator and ends the rank (3: abort, tear down).
+_setenv TORCH_NCCL_ASYNC_ERROR_HANDLING 3
+# The Flight Recorder: each rank keeps its last N collectives and their states for a dump (read: docs/reliability.md).
+_setenv TORCH_NCCL_TRACE_BUFFER_SIZE 2000
+# Dump it on a collective timeout, into <run dir>/hang/ (the trainer sets TORCH_NCCL_DEBUG_INFO_TEMP_FILE there).
+_setenv TORCH_NCCL_DUMP_ON_TIMEOUT 1
+# The heartbeat monitor: a rank whose NCCL watchdog thread is itself stuck this long is killed, after its dump.
+_setenv TORCH_NCCL_ENABLE_MONITORING 1
+_setenv TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC 600
 # NVLink SHARP on NVSwitch nodes (H100/H200): 0 when NVLS fails to start in a container or its buffers cost memory.
 _setenv NCCL_NVLS_ENABLE ""
 # WARN prints only problems; INFO shows the rings and transports chosen: use it for hangs and slow collectives.
@@ -54,9 +67,17 @@ _parse() {
     local npos=$1 names a
     read -ra names <<<"$2"
     shift 2
-    DRY_RUN=0 POS=() TRAIN_ARGS=()
+    DRY_RUN=0 MAX_RESTARTS=0 POS=() TRAIN_ARGS=()
+    local want_n=0
     for a in "$@"; do
-        if [[ $a == --dry-run ]]; then DRY_RUN=1
+        if (( want_n )); then
+            [[ $a =~ ^[0-9]+$ ]] || { _usage; die "--max-restarts takes a count >= 0, got '$a'"; }
+            MAX_RESTARTS=$a want_n=0
+        elif [[ $a == --max-restarts ]]; then want_n=1
+        elif [[ $a == --max-restarts=* ]]; then
+            [[ ${a#*=} =~ ^[0-9]+$ ]] || { _usage; die "--max-restarts takes a count >= 0, got '${a#*=}'"; }
+            MAX_RESTARTS=${a#*=}
+        elif [[ $a == --dry-run ]]; then DRY_RUN=1
         elif (( ${#POS[@]} < npos )); then
             if [[ $a == -h || $a == --help ]]; then    # the script's header comment
                 sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0
@@ -69,6 +90,7 @@ _parse() {
             TRAIN_ARGS+=("$a")
         fi
     done
+    (( want_n )) && { _usage; die "--max-restarts takes a count >= 0"; }
     (( ${#POS[@]} == npos )) || { _usage; die "missing ${names[*]:${#POS[@]}}"; }
     for a in "${POS[@]}"; do [[ -f $a ]] || die "no such file: $a"; done
 }
@@ -86,13 +108,57 @@ _quote() {
     echo "${out[*]}"
 }
 
-# _run ARGS...: print (--dry-run) or log and exec the command.
+# _run ARGS...: print (--dry-run) or log and exec the command (with --max-restarts, rerun it).
 _run() {
     local n env=()
     for n in "${_ENV_NAMES[@]}"; do [[ -n ${!n+set} ]] && env+=("$n=${!n}"); done
     if (( DRY_RUN )); then echo "# env: ${env[*]-}" >&2; _quote "$@"; exit 0; fi
+    (( MAX_RESTARTS > 0 )) && _run_restarting _run_once "$@"
     echo "+ $(_quote "$@")" >&2
     exec "$@"
+}
+
+_run_once() { echo "+ $(_quote "$@")" >&2; "$@"; }
+
+# _trainer_code RC: the trainer's exit code for an attempt whose launcher exited RC. The launchers
+# report their own (torchrun 1, DeepSpeed's the first failed rank's, 247 for a SIGKILL), so every
+# rank that exits non-zero appends "CODE RANK" to $TRAIN_EXIT_CODE_FILE (training/files.py):
+# bad input, out of memory or an unwritable checkpoint on any rank wins, then a preemption, then a
+# lost or stopped rank; with no line (every rank killed), the launcher's code.
+_trainer_code() {
+    local codes c
+    codes=$(awk '{print $1}' "$TRAIN_EXIT_CODE_FILE" 2>/dev/null | sort -u | tr '\n' ' ')
+    for c in 2 3 74 75 76; do [[ " $codes" == *" $c "* ]] && { echo "$c"; return; }; done
+    echo "$1"
+}
+
+# _run_restarting RUNNER ARGS...: RUNNER ARGS (_run_once, or the SLURM one), rerun up to
+# MAX_RESTARTS times while the trainer's exit code says a rerun can finish the job; each restart
+# is one line with its reason. The same command resumes from the newest verified checkpoint.
+_run_restarting() {
+    local runner=$1 attempt=0 rc code reason
+    shift
+    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
+    while :; do
+        rm -f "$TRAIN_EXIT_CODE_FILE"
+        rc=0; "$runner" "$@" || rc=$?
+        (( rc == 0 )) && { rm -f "$TRAIN_EXIT_CODE_FILE"; exit 0; }
+        code=$(_trainer_code "$rc")
+        rm -f "$TRAIN_EXIT_CODE_FILE"
+        case $code in
+            2|3|74) echo "$(basename "$0"): exit code $code (bad input, out of memory or an unwritable checkpoint: see the error above); not restarted" >&2
+                    exit "$code" ;;
+            75) reason="preempted: the ranks saved their step" ;;
+            76) reason="a rank was lost or stopped making progress" ;;
+            *)  reason="the launcher exited $rc (a rank killed or failed)" ;;
+        esac
+        if (( attempt >= MAX_RESTARTS )); then
+            echo "$(basename "$0"): exit code $code ($reason); no restarts left (--max-restarts $MAX_RESTARTS)" >&2
+            exit "$code"
+        fi
+        attempt=$((attempt + 1))
+        echo "$(basename "$0"): restart $attempt of $MAX_RESTARTS after exit code $code ($reason): the same command resumes from the newest checkpoint" >&2
+    done
 }
 
 # _run_preemptible ARGS...: as _run, for a SLURM batch script submitted with
@@ -102,6 +168,15 @@ _run() {
 # (training/preemption.py); the job then requeues itself and the same command resumes.
 _run_preemptible() {
     (( DRY_RUN )) && _run "$@"
+    (( MAX_RESTARTS > 0 )) && _run_restarting _preemptible_once "$@"
+    local rc=0
+    _preemptible_once "$@" || rc=$?
+    exit "$rc"
+}
+
+# _preemptible_once ARGS...: one attempt of _run_preemptible; requeues the job and exits 0 when
+# SLURM's warning came, else returns ARGS' exit code.
+_preemptible_once() {
     echo "+ $(_quote "$@")" >&2
     "$@" &
     _CHILD=$! _PREEMPTED=0
@@ -118,7 +193,7 @@ _run_preemptible() {
         echo "$(basename "$0"): requeued job $SLURM_JOB_ID; it resumes from the step the ranks saved" >&2
         exit 0
     fi
-    exit "$rc"
+    return "$rc"
 }
 
 # ---- One function per launcher.
@@ -145,8 +220,9 @@ launch_deepspeed() {
 
 # Several nodes from a DeepSpeed hostfile ("HOST slots=8" per line): DeepSpeed ssh-es (pdsh) into
 # the first NUM_NODES hosts. It forwards only NCCL_*, PYTHON*, UCX_* and the like to them; the
-# other variables set above, and the torch distributed settings and W&B run settings exported
-# by the caller (TORCH_NCCL_*, TORCH_DISTRIBUTED_*, TORCH_CPP_LOG_LEVEL, WANDB_PROJECT/ENTITY/
+# other variables set above (the NCCL watchdog and Flight Recorder ones too), and the torch
+# distributed settings and W&B run settings exported by the caller (TORCH_NCCL_*, TORCH_FR_*,
+# TORCH_DISTRIBUTED_*, TORCH_CPP_LOG_LEVEL, WANDB_PROJECT/ENTITY/
 # MODE/DIR/BASE_URL), travel in ./.deepspeed_env, which it reads at start. Never the W&B key:
 # put WANDB_API_KEY=... in ~/.deepspeed_env (DeepSpeed reads it too) or run `wandb login` on
 # the first host, where global rank 0, the only rank that talks to W&B, runs.
@@ -158,7 +234,7 @@ launch_deepspeed_hostfile() {
         die "$HOSTFILE lists $hosts hosts, this script needs $NUM_NODES ('HOST slots=$NPROC_PER_NODE' per line)"
     local forward
     mapfile -t forward < <(compgen -e | grep -E \
-        '^(TORCH_NCCL_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
+        '^(TORCH_NCCL_[A-Z_]+|TORCH_FR_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
     (( DRY_RUN )) || _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
     _run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
         ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"

@@ -12,7 +12,9 @@ directory (``planning/oom.py``). Checkpoints are written in the background
 run directory resumes from the newest checkpoint that matches its manifest
 (``training/manifest.py``) with the same data order and RNG streams, or stops with one line
 (exit code 2) when none matches. A preemption signal (``train.preemption_signals``) makes every
-rank save its step and exit with code 75 (``training/preemption.py``).
+rank save its step and exit with code 75 (``training/preemption.py``). A rank lost or stopped
+(no progress in ``train.hang_timeout_s``) is named in one line, exit code 76, every live rank's
+stacks in the run directory (``training/watchdog.py``).
 
 The loop is one straight line: recipe -> process groups -> data -> model -> deepspeed.initialize
 -> (forward, backward, step) per micro-batch -> metrics, eval, checkpoint.
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +33,9 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from training import checkpoint, ds_config, hardware, preemption, run_setup, saving, stepping  # noqa: E402
+from training import checkpoint, hardware, preemption, run_setup, saving, stepping, watchdog  # noqa: E402
 from planning import oom  # noqa: E402
-from training.recipe import Recipe, apply_overrides, load_recipe  # noqa: E402
+from training.preflight import Plan, prepare  # noqa: E402  (the checks before anything starts)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -53,47 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@dataclass
-class Plan:
-    """Everything validated before any process group or file exists."""
-
-    recipe: Recipe
-    ds: dict
-    run_dir: Path
-    world_size: int
-    dp_size: int
-    init_from: Path | None
-    config_path: str | None = None      # the DeepSpeed JSON as given, for messages
-
-
-def prepare(args: argparse.Namespace) -> Plan:
-    """Validate the CLI, recipe and DeepSpeed JSON; raise ValueError with a one-line message."""
-    overrides = list(args.set)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise ValueError(f"--steps: {args.steps} must be >= 1")
-        overrides.append(f"train.steps={args.steps}")
-    ds_sets = [o for o in overrides if o.startswith("ds.")]       # DeepSpeed JSON keys
-    recipe = load_recipe(args.recipe, [o for o in overrides if not o.startswith("ds.")])
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = recipe.dims(world_size)                     # the layout against the world size
-    dp_size = dims.dp
-    ds = apply_overrides(ds_config.load_ds_config(args.config), ds_sets, "DeepSpeed key", "ds.")
-    ds = ds_config.validate_ds_config(ds, dp_size)
-    ds = run_setup.resolve_ds_config(ds, recipe)
-    ds_config.check_layout(ds, dims)
-    run_setup.check_backend(recipe)
-    run_setup.check_precision(ds, args.config)
-    run_setup.check_data_source(recipe)
-    init_from = run_setup.check_init_from(args.init_from, recipe)
-    run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
-    run_setup.check_run_dir(run_dir, recipe)
-    return Plan(recipe, ds, run_dir, world_size, dp_size, init_from, args.config)
-
-
-def train(plan: Plan, where: stepping.StepContext) -> int:
-    """The run; ``where`` is kept current for the out-of-memory report (``planning/oom.py``)."""
+def train(plan: Plan, where: stepping.StepContext, dog: watchdog.Watchdog) -> int:
+    """The run; ``where`` is kept current for the out-of-memory report (``planning/oom.py``),
+    ``dog`` told of every completed step and phase (``training/watchdog.py``)."""
     recipe, tcfg = plan.recipe, plan.recipe.train
+    # NCCL's own dump on a collective timeout goes beside the watchdog's (``hang/``).
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+                          str((plan.run_dir / watchdog.HANG / "fr_trace_rank_").absolute()))
     ctx = where.dist = run_setup.init_distributed(recipe)   # process groups (gloo on CPU, NCCL on GPU)
     oom.record_memory_history(tcfg.memory_snapshot, ctx.device)   # GPU, when asked
     rank0 = ctx.rank == 0
@@ -122,10 +89,12 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
     if rank0:           # after the load: a refused resume writes nothing into the run directory
         run_setup.write_config(run_dir, config)
         tokenizer.save_pretrained(str(run_dir / "tokenizer"))
-    stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where)
+    dog.attach(ctx.launch_id, nccl=ctx.device.type == "cuda")    # heartbeats: the start is accepted
     tracker, progress = run_setup.build_tracking(recipe, run_dir, rank0, start_step, config)
-    code, preempted, stepper.preemption = 0, False, preemption.Preemption(tcfg.preemption_signals, rank0)
-    saver = stepper.saver = saving.Saver(engine, ckpt_dir, tcfg.keep_last, tcfg.async_save, tcfg.on_save_error == "stop")
+    code, preempted, signals = 0, False, preemption.Preemption(tcfg.preemption_signals, rank0)
+    saver = saving.Saver(engine, ckpt_dir, tcfg.keep_last, tcfg.async_save, tcfg.on_save_error == "stop",
+                         progress=dog.beat, wait_timeout_s=watchdog.startup_allowance(tcfg.hang_timeout_s))
+    stepper = stepping.Stepper(engine, recipe, plan.ds, ctx, plan.dp_size, monitor_state, where, preemption=signals, saver=saver)
 
     for step in range(start_step + 1, tcfg.steps + 1):
         # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed, step,
@@ -141,11 +110,13 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
         row["tokens_by_source"] = sampler.tokens_by_source(step)    # the mixture trained on so far
         tracker.log(row, extra)
         progress.update(row)
+        dog.beat(step)
         # spike_action "stop": the spiking step was skipped (no weight changed); save that state.
         # A preemption signal on any rank: every rank saves this step and exits.
         stop, preempted = row.get("stopped"), stepper.stop_requested
         if not (stop or preempted) and recipe.eval.every and (step % recipe.eval.every == 0 or step == tcfg.steps):
             eval_loss = stepper.evaluate(val_batches)
+            dog.beat()
             tracker.log({"step": step, "eval_loss": eval_loss})
             if rank0:
                 print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
@@ -156,6 +127,7 @@ def train(plan: Plan, where: stepping.StepContext) -> int:
             client_state = {"step": step, "data": sampler.state_dict(),
                             "monitor": stepper.monitor_state(), "tokens": row["tokens"]}
             saver.save(step, client_state, wait=bool(stop or preempted or step == tcfg.steps))
+            dog.beat()
             tracker.log({"step": step, "save_stall_s": saver.stall_s})
         tag = saver.published if saver.published == checkpoint.tag_for_step(step) else None
         code, stop = (saving.SAVE_FAILED, saver.stop_reason) if saver.stop_reason else (code, stop)
@@ -181,19 +153,26 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     where = stepping.StepContext()
+    dog = watchdog.Watchdog(plan.run_dir, int(os.environ.get("RANK", "0")), plan.world_size,
+                            plan.recipe.train.hang_timeout_s, where)
     try:
-        rc = train(plan, where)
+        rc = train(plan, where, dog)
         where.engine = where.model = None
         run_setup.shutdown()       # only after a clean run: a failed rank must not wait on others
+        dog.close("finished")
         return rc
     except (ValueError, FileNotFoundError) as err:   # e.g. a corrupted checkpoint found on resume
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:                      # torch.OutOfMemoryError is one
-        if not oom.is_out_of_memory(err):
-            raise
-        print(oom.report(err, plan, args, where), file=sys.stderr)   # writes <run-dir>/oom_report.md
-        return oom.EXIT_CODE
+        if oom.is_out_of_memory(err):
+            print(oom.report(err, plan, args, where), file=sys.stderr)   # writes <run-dir>/oom_report.md
+            return oom.EXIT_CODE
+        if watchdog.is_peer_lost(err):               # a collective whose peer went away
+            return dog.peer_lost(err)
+        raise
+    finally:
+        dog.close()                # a caller in this process (a test) keeps no watchdog running
 
 
 if __name__ == "__main__":

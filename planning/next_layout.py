@@ -24,7 +24,7 @@ import torch
 
 from planning import memory_model as mm
 from planning.estimator import GB, estimate
-from training import ds_config, run_setup
+from training import ds_config, preflight
 from training.files import atomic_write
 from training.recipe import apply_overrides, recipe_from_dict
 
@@ -57,7 +57,7 @@ def suggest(plan, args, device: torch.device, est: dict) -> dict:
     """Walk ``LADDER`` from this run's layout; return the rungs tried and the next command.
 
     Args:
-        plan: ``launch.train.Plan`` of the run that ran out of memory.
+        plan: ``training.preflight.Plan`` of the run that ran out of memory.
         args: its parsed command line (the suggestion repeats it with the changes).
         device: this rank's device; on a CPU, offloaded states count against the same memory.
         est: ``planning.oom``'s estimate section: ``gpu_table_entry``, ``scale`` (the estimator's
@@ -118,7 +118,7 @@ class _Builder:
                 node = node.setdefault(p, {})
             node[last] = value
         dims = recipe.dims(self.world)
-        resolved = run_setup.resolve_ds_config(ds_config.validate_ds_config(ds, dims.dp), recipe)
+        resolved = preflight.resolve_ds_config(ds_config.validate_ds_config(ds, dims.dp), recipe)
         ds_config.check_layout(resolved, dims)
         states, transient = cost(estimate(recipe, resolved, self.world, self.gpus_per_node,
                                           self.gpu), self.device)

@@ -82,7 +82,7 @@ def report(err: BaseException, plan, args, where: StepContext | None = None) -> 
 
     Args:
         err: the out-of-memory exception, with its traceback.
-        plan: ``launch.train.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
+        plan: ``training.preflight.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
         args: the trainer's parsed arguments (to print the next command).
         where: what the trainer last recorded: step, micro-batch, phase, and the objects it
             had built (process groups, model, engine); None before it started.

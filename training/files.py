@@ -39,3 +39,20 @@ def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,
         if now - last >= log_every_s:
             print(f"waiting for {what} ({now - start:.0f} s of at most {timeout_s:.0f} s)", flush=True)
             last = now
+
+
+EXIT_CODE_FILE = "TRAIN_EXIT_CODE_FILE"
+
+
+def record_exit_code(code: int) -> None:
+    """Append ``<code> <rank>`` to the file ``$TRAIN_EXIT_CODE_FILE`` names, if set, for a
+    non-zero code: the launch scripts' restart loop reads it, since torchrun and DeepSpeed's
+    launcher report their own exit code, not the trainer's (``launch/common.sh``)."""
+    path = os.environ.get(EXIT_CODE_FILE)
+    if not path or code == 0:
+        return
+    try:
+        with open(path, "a") as f:       # one short write per rank: appends do not interleave
+            f.write(f"{code} {os.environ.get('RANK', '0')}\n")
+    except OSError:
+        pass

@@ -131,6 +131,8 @@ class TrainConfig:
     """Write checkpoint files in a background thread while training goes on (training/saving.py)."""
     on_save_error: Literal["continue", "stop"] = "continue"
     """A checkpoint a rank could not write (disk full): keep training, or stop with exit code 74."""
+    hang_timeout_s: float = 0.0
+    """Seconds with no step done before every rank dumps stacks, exits 76; 0: 10x slowest, >= 300."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
     """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
     noise_scale: bool = True
@@ -145,6 +147,9 @@ class TrainConfig:
                           ("log_every", 1), ("spike_window", 1)):
             check_int(f"train.{name}", getattr(self, name), low)
         _ = self.checkpointing  # raises on a misspelt policy
+        if not (isinstance(self.hang_timeout_s, (int, float)) and self.hang_timeout_s >= 0):
+            raise ValueError(f"train.hang_timeout_s ({self.hang_timeout_s}) must be a number of "
+                             f"seconds >= 0 (0: automatic, 10x the slowest recent step)")
         if not self.spike_factor > 1.0:
             raise ValueError(f"train.spike_factor ({self.spike_factor}) must be > 1, e.g. 4.0")
         for name in self.preemption_signals:

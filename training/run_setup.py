@@ -1,5 +1,6 @@
-"""The pieces ``train.py`` wires together: up-front checks, process groups, tokenizer, data, model,
-DeepSpeed engine, resolved config and tracking. ``train.py`` reads as the straight line."""
+"""The pieces ``train.py`` wires together: process groups, tokenizer, data, model, DeepSpeed
+engine, resolved config and tracking (the up-front checks: ``training/preflight.py``).
+``train.py`` reads as the straight line."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import torch
 
 from training import data_sources as sources_lib
 from training import data as data_lib
-from training import checkpoint, optim, schedules
+from training import optim, schedules
 from training.hardware import detect_gpu, train_flops_per_token
 from training.compile import compile_blocks
-from training.files import atomic_write, wait_for_file
+from training.files import atomic_write, record_exit_code, wait_for_file
+from training.watchdog import startup_allowance
 from training.recipe_schema import Recipe
 from training.shard_maps import enable_universal_checkpoint
 from training.sharded_build import build_partitioned, builds_partitioned
@@ -38,77 +40,6 @@ from model.parallel.groups import ParallelGroups, build_groups
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".cache"
-
-
-# ----------------------------------------------------------------------------------------------
-# Checks that run before any process group exists or any file is written (the layout's:
-# ``Recipe.dims`` and ``ds_config.check_layout``).
-
-def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
-    """Apply the JSON's optional lr scaling and fill its "auto" scheduler values from the run
-    length, so that a bad schedule fails now and config.json records what actually runs."""
-    ds = schedules.resolve_auto(optim.apply_lr_scaling(ds), recipe.train.steps)
-    _, ours = schedules.split_scheduler(ds)
-    if ours is not None:
-        schedules.lr_multiplier(ours, recipe.train.steps)      # validates our schedule's params
-    return ds
-
-
-def check_backend(recipe: Recipe) -> None:
-    """A backend for GPUs asked for on a machine without one: refused before the start."""
-    backend = recipe.parallel.backend
-    if backend in ("nccl", "cuda:gloo") and not torch.cuda.is_available():
-        raise ValueError(f"parallel.backend {backend} needs CUDA GPUs and this machine has none: "
-                         f"use auto (gloo on CPU) or gloo")
-
-
-def check_precision(ds: dict, config_path: str | None) -> None:
-    """fp16 on a machine without a GPU: refused before the start, in our words (DeepSpeed's CPU
-    accelerator has no fp16 and would stop at engine build with its own message)."""
-    if (ds.get("fp16") or {}).get("enabled") and not torch.cuda.is_available():
-        raise ValueError(f"fp16.enabled: {config_path or 'the DeepSpeed JSON'} asks for fp16, which "
-                         f"needs a GPU, and this machine has none: use bf16 or fp32 on a CPU "
-                         f"(e.g. ds_configs/zero2.json or ds_configs/zero2_fp32.json)")
-
-
-def check_data_source(recipe: Recipe) -> None:
-    """Every ``data.source`` / ``data.val_source`` entry opens or exists, and ``tokenizer.path``
-    is a tokenizer, so that bad data fails before anything is written."""
-    tokenizer = load_local_tokenizer(recipe.tokenizer.path) if recipe.tokenizer.path else None
-    sources_lib.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
-
-
-def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:
-    if init_from is None:
-        return None
-    path = Path(init_from)
-    if not (path / "model_config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise ValueError(f"--init-from {path}: not an init dir (expected model_config.json and "
-                         f"model.safetensors; make one with `python launch/convert_hf.py import`)")
-    from model.config import config_from_dict
-    try:
-        cfg = config_from_dict(json.loads((path / "model_config.json").read_text(encoding="utf-8")))
-    except (ValueError, KeyError, TypeError) as e:      # bad JSON or UTF-8, missing or bad keys
-        raise ValueError(f"--init-from {path}: model_config.json is invalid ({type(e).__name__}: {e}); "
-                         f"re-create the init dir with `python launch/convert_hf.py import`") from None
-    if cfg != recipe.model:
-        raise ValueError(f"--init-from {path}: its model config differs from the recipe's model "
-                         f"section (copy model_config.json's values into the recipe)")
-    return path
-
-
-def check_run_dir(run_dir: Path, recipe: Recipe) -> None:
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--run-dir {run_dir}: exists and is not a directory (choose another path)")
-    blocker = next((p for p in run_dir.absolute().parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(f"--run-dir {run_dir}: {blocker} is a file, not a directory (choose another path)")
-    saved = run_dir / "config.json"
-    if checkpoint.candidates(run_dir / "checkpoints") and saved.is_file():
-        old = checkpoint.read_run_config(run_dir)["recipe"]["model"]
-        if old != recipe.model.to_dict():
-            raise ValueError(f"--run-dir {run_dir}: holds checkpoints of a different model; "
-                             f"resume with the original recipe or choose a new --run-dir")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,7 +56,7 @@ class DistContext:
     groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
     gpu: object = None             # training.hardware.GPUSpec when on a known GPU
     launch_id: int = 0             # the same on every rank of one launch, new at every launch
-    timeout_s: float = 7200.0      # the longest a rank waits for rank 0's start-up work (a file, not a collective)
+    timeout_s: float = 7200.0      # the longest a rank waits for rank 0's start-up work (a file)
 
     def rank0_first(self, name: str, work):
         """``work()`` on rank 0, then on the other ranks, which poll for a marker file meanwhile
@@ -213,7 +144,8 @@ def init_distributed(recipe: Recipe) -> DistContext:
     launch_id = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0],
                              dtype=torch.int64, device=device)
     launch_id = int(comm.job_sum(launch_id).item())
-    return DistContext(rank, world, local_rank, device, groups, gpu=gpu, launch_id=launch_id)
+    return DistContext(rank, world, local_rank, device, groups, gpu, launch_id,
+                       startup_allowance(recipe.train.hang_timeout_s))   # training/watchdog.py
 
 
 def shutdown() -> None:
@@ -233,6 +165,7 @@ def exit_now(code: int) -> NoReturn:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    record_exit_code(code)
     os._exit(code)
 
 

@@ -72,9 +72,11 @@ class Saver:
     """The run's checkpoint saves on this rank (every rank has one and calls it alike)."""
 
     def __init__(self, engine, ckpt_dir: Path, keep_last: int, background: bool,
-                 stop_on_error: bool):
+                 stop_on_error: bool, progress=None, wait_timeout_s: float = 7200.0):
         self.engine, self.ckpt_dir, self.keep_last = engine, Path(ckpt_dir), keep_last
         self.background, self.stop_on_error = background, stop_on_error
+        self.progress = progress or (lambda: None)   # called at every file written (the watchdog)
+        self.wait_timeout_s = wait_timeout_s         # rank 0's wait for the other ranks' shares
         self.device = next(engine.module.parameters()).device
         self.pending: _Save | None = None
         self.published: str | None = None      # the tag this run last published
@@ -105,7 +107,8 @@ class Saver:
             publish = (lambda: self._publish(save)) if rank == 0 else None
             # Rank 0's writer also waits for the other ranks' shares: a daemon when there are
             # others, so that a job whose other ranks died cannot keep rank 0 from exiting.
-            save.thread = threading.Thread(target=_write, args=(save, rank, world, publish),
+            save.thread = threading.Thread(target=_write, args=(save, rank, world, publish,
+                                                                self.progress, self.wait_timeout_s),
                                            name="checkpoint-writer", daemon=rank == 0 and world > 1)
             save.thread.start()
         if wait or not self.background:
@@ -220,7 +223,8 @@ def _snapshot(obj, storages: dict):
     return copy.deepcopy(obj)
 
 
-def _write(save: _Save, rank: int, world: int, publish=None) -> None:
+def _write(save: _Save, rank: int, world: int, publish=None, progress=lambda: None,
+           timeout_s: float = 7200.0) -> None:
     """The background writer: every file of this rank saved and fsynced, its size and CRC-32
     into this rank's manifest share (or a ``.failed`` marker); each snapshot released once
     written. On rank 0 (``publish``), then: wait until every rank's share is there and publish,
@@ -231,6 +235,7 @@ def _write(save: _Save, rank: int, world: int, publish=None) -> None:
             path, state = save.files.pop(0)
             _write_file(path, state)
             del state
+            progress()
             size, crc = manifest.checksum(path)
             entries[path.relative_to(save.folder).as_posix()] = {"bytes": size, "crc32": crc}
         if not save.errors:
@@ -244,23 +249,30 @@ def _write(save: _Save, rank: int, world: int, publish=None) -> None:
         except OSError:
             pass                         # the boundary's all-reduce still reports the failure
         return
-    if publish is None or not _all_shares_written(save.folder, world):
-        return
     try:
+        if publish is None or not _all_shares_written(save.folder, world, timeout_s):
+            return
         publish()
     except (OSError, ValueError) as err:
         save.errors.append(str(err))
 
 
-def _all_shares_written(folder: Path, world: int, poll_s: float = 0.05) -> bool:
+def _all_shares_written(folder: Path, world: int, timeout_s: float, poll_s: float = 0.05) -> bool:
     """Rank 0's writer: wait until every rank's share or failure marker exists; False when a
-    rank failed."""
+    rank failed; after ``timeout_s`` a ValueError naming the ranks whose share is missing."""
+    start = time.monotonic()
     while True:
         names = {p.name for p in folder.glob("manifest.rank*")}
         if any(n.endswith(".failed") for n in names):
             return False
-        if all(f"manifest.rank{r}.json" in names for r in range(world)):
+        missing = [r for r in range(world) if f"manifest.rank{r}.json" not in names]
+        if not missing:
             return True
+        if time.monotonic() - start > timeout_s:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"waited {timeout_s:.0f} s for the checkpoint share of rank(s) "
+                             f"{shown} in {folder}: those ranks died, or their writes to this "
+                             f"filesystem block (is {folder.parent} shared by every node?)")
         time.sleep(poll_s)
 
 

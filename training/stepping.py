@@ -13,9 +13,14 @@ statistics stay on the compute device in one vector, are summed over the ranks t
 different tokens once, and reach the host once (one ``.tolist()``), before the last backward:
 the skip decision needs the step's loss on every rank.
 
-With pipeline stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the step's
-micro-batches; the same objective is built on the last stage (``training/pipeline.py``) and the
-statistics, the skip decision and the lr are taken in a hook before the optimizer step.
+One step (``Stepper.train_step``): the forwards add into the statistics vector; after the last
+one ``_decide`` sums it, brings it to the host and decides skip or apply (a ``StepDecision``);
+after the last backward ``_prepare_last_step`` records the lr and, on a skip, makes the update a
+no-op (lr 0); after ``engine.step()``, ``_finish_step`` builds the metrics row. With pipeline
+stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the micro-batches; the same
+objective is built on the last stage (``training/pipeline.py``), and the hook DeepSpeed calls
+before the optimizer step runs the same two functions. Every ``train.log_every`` steps the row
+also names the slowest rank (``training/step_stats.py``, "Stragglers").
 
 ``StepContext`` says where the trainer is (step, micro-batch, phase) for the out-of-memory report
 (``planning/oom.py``): ``Stepper`` and ``launch/train.py`` update it as they go.
@@ -33,7 +38,7 @@ from model.moe.layer import start_balance_step
 from model.parallel import comm
 from training import noise_scale
 from training.ds_config import replica_sync_mode
-from training.step_stats import NOISE, StatsLayout
+from training.step_stats import NOISE, BusyTime, StatsLayout, StepValues, busy_row, straggler_metrics
 
 
 @dataclass
@@ -82,6 +87,22 @@ class SpikeMonitor:
         return {"history": self.history}
 
 
+@dataclass
+class StepDecision:
+    """What one step's statistics decided: ``Stepper._decide`` fills the first fields after the last
+    forward, ``Stepper._prepare_last_step`` the rest, ``Stepper._finish_step`` reads them."""
+
+    reduced: torch.Tensor           # the statistics summed over the ranks, on the device
+    values: StepValues              # its host copy
+    skip_reason: str | None         # why the update is not applied; None: applied
+    spike: bool                     # the loss is a spike (logged whatever ``spike_action``)
+    stragglers: dict                # log steps: step_busy_s_max, step_busy_s_median, slowest_rank
+    lr: float | None = None                 # the first param group's lr of the step
+    saved_lr: list[float] | None = None     # a skipped step's lrs, set to 0 for its update
+    sched_before: int | None = None         # the lr scheduler's position before the step
+    grad_norm_local: float | None = None    # the trainer's norm at ZeRO-0 fp32 (applied steps)
+
+
 class Stepper:
     """Runs training steps and evaluation on ``engine`` and returns metric rows.
 
@@ -90,16 +111,18 @@ class Stepper:
 
     Args:
         engine: the DeepSpeed engine (``PipelineEngine`` with pipeline stages).
-        recipe: the run's recipe (``train`` section: spike handling).
+        recipe: the run's recipe (``train`` section: spike handling, ``log_every``).
         ds: the resolved DeepSpeed config (batch sizes, ZeRO stage, precision).
-        ctx: ``training.run_setup.DistContext`` (device and process groups).
+        ctx: ``training.run_setup.DistContext`` (rank, device and process groups).
         dp_size: the data-parallel size (the loss is scaled by it, see the module docstring).
         monitor_state: the loss-spike monitor and token count of a resumed run.
         where: the ``StepContext`` to keep current (a private one when None).
+        preemption: the run's ``training.preemption.Preemption`` (``stop_requested`` reads it).
+        saver: the run's ``training.saving.Saver`` (``saves_written`` reads it).
     """
 
     def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, monitor_state: dict | None = None,
-                 where: StepContext | None = None):
+                 where: StepContext | None = None, *, preemption=None, saver=None):
         self.engine, self.recipe, self.ctx = engine, recipe, ctx
         self.where = where if where is not None else StepContext()
         self.dp_size, self.tokens_per_step = dp_size, ds["train_batch_size"] * recipe.seq_len
@@ -114,10 +137,11 @@ class Stepper:
         moe = self.cfg.moe
         self.stats = StatsLayout(len(self.moe_blocks), moe.num_experts if moe else 0,
                                  bool(moe and moe.expert_bias))      # training/step_stats.py
+        self.busy = BusyTime(ctx.device)
         self.pipeline = ctx.groups.pp > 1
-        self.preemption = None          # a training.preemption.Preemption, set by the trainer
+        self.preemption, self.saver = preemption, saver
         self.stop_requested = False     # a rank got a preemption signal before this step's end
-        self.saver, self.saves_written = None, True     # training.saving.Saver, set by the trainer
+        self.saves_written = True       # every rank's checkpoint writer has finished
         self.grad_sync = None if self.pipeline else self.model.grad_sync
         self.noise = noise_scale.for_run(recipe, ds, ctx, dp_size, monitor_state)
         if self.grad_sync is not None:
@@ -127,36 +151,20 @@ class Stepper:
             gas = ds["gradient_accumulation_steps"]
             # DeepSpeed divides the last stage's loss by gas: undo it (see training/pipeline.py).
             self.model.loss_fn.ce_scale = dp_size * gas / self.tokens_per_step
+            # The step's decision, left by ``_pipeline_before_step`` (DeepSpeed calls it inside
+            # ``train_batch``) for the clipping below and for ``_pipeline_train_step``.
+            self._pipeline_decision: StepDecision | None = None
             pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
             if self.zero_stage == 0 and not self.half:
-                pipeline.clip_fp32_with_norm(engine, lambda: self._grad_norm_local)
+                pipeline.clip_fp32_with_norm(engine, lambda: self._pipeline_decision.grad_norm_local)
 
     def monitor_state(self) -> dict:
         noise = {"noise_scale": self.noise.state()} if self.noise else {}
         return {**self.spikes.state(), "tokens": self.tokens_seen, **noise}
 
-    def _stats_vector(self, device: torch.device) -> torch.Tensor:
-        """The step's statistics on the device (``training/step_stats.py``), holding the expert
-        biases this step routes with (the same on every rank that holds a layer)."""
-        stats = self.stats.new(device)
-        self.stats.add_expert_biases(stats, self.model.expert_biases(),
-                                     self.ctx.groups.dp * self.ctx.groups.ep)   # the batch group
-        return stats
-
-    def _check_router_replicas(self, step: int, stats: torch.Tensor) -> None:
-        """Every ``train.log_every`` steps, put into the statistics how far the router weights,
-        replicated over tp x ep, have drifted apart (0.0 when bitwise equal; one small
-        all-reduce, no host copy). Routing that differs between tp peers would sum partial
-        outputs of different experts."""
-        groups = self.ctx.groups
-        if not self.moe_blocks or groups.tp * groups.ep == 1 or step % self.recipe.train.log_every:
-            return
-        gates = [getattr(m.weight, "ds_tensor", m.weight) for name, m in self.model.named_modules()
-                 if name.endswith("mlp.gate")]
-        stats[-1] += comm.replica_divergence(gates, groups.mp_group)
-
     def train_step(self, step: int, batches) -> tuple[dict, dict]:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
+        self.busy.start()
         where = self.where
         where.step, where.micro_batch, where.micro_batches = step, None, len(batches)
         if self.cfg.moe is not None and self.cfg.moe.global_balance:
@@ -167,27 +175,32 @@ class Stepper:
         engine, gas = self.engine, len(batches)
         stats = self._stats_vector(self.ctx.device)
         for i, (input_ids, labels) in enumerate(batches):
+            last = i == gas - 1
             where.micro_batch, where.phase = i + 1, "forward"
             loss = self._forward(input_ids, labels, stats, gas)
-            if i == gas - 1:
+            if last:
                 # Global statistics before the last backward, so that the skip decision (lr 0 for
                 # this step) is the same on every rank.
-                self._check_router_replicas(step, stats)
-                self._reduced = comm.all_reduce_sum(stats, self.ctx.batch_group)
-                values = self._to_host(self._reduced)
-                step_loss = values[0] / max(values[1], 1)
-                skip_reason = self._skip_reason(step_loss, values[2] > 0)
+                decision = self._decide(step, stats)
             where.phase = "backward"
             if self.grad_sync is not None:   # "step" mode sums the replicas' gradients once, here
-                self.grad_sync.boundary = i == gas - 1
+                self.grad_sync.boundary = last
             engine.backward(loss, scale_wrt_gas=False)
             if i == 0 and self.noise:    # .grad: this micro-batch's gradient (gas >= 2)
                 self.noise.measure(self.model, stats[NOISE])
-            if i == gas - 1:
-                saved_lr = self._prepare_last_step(skip_reason)
+            if last:
+                self._prepare_last_step(decision)
                 where.phase = "optimizer step"
             engine.step()
-        return self._finish_step(step, values, step_loss, saved_lr, skip_reason, t0)
+        return self._finish_step(step, decision, t0)
+
+    def _stats_vector(self, device: torch.device) -> torch.Tensor:
+        """The step's statistics on the device (``training/step_stats.py``), holding the expert
+        biases this step routes with (the same on every rank that holds a layer)."""
+        stats = self.stats.new(device)
+        self.stats.add_expert_biases(stats, self.model.expert_biases(),
+                                     self.ctx.groups.dp * self.ctx.groups.ep)   # the batch group
+        return stats
 
     def _forward(self, input_ids, labels, stats: torch.Tensor, gas: int) -> torch.Tensor:
         """One micro-batch's loss; its statistics are added to ``stats``. The model's output
@@ -197,98 +210,83 @@ class Stepper:
         self.stats.add_micro_batch(stats, out, loss.detach(), gas)
         return loss
 
-    def _finish_step(self, step, values, step_loss, saved_lr, skip_reason, t0) -> tuple[dict, dict]:
-        engine = self.engine
-        applied = engine.was_step_applied() and skip_reason is None
-        if saved_lr is not None and _schedule_position(engine.lr_scheduler) == self._sched_before:
-            # No scheduler, or it did not step (DeepSpeed skips it with the optimizer step on
-            # an overflow): put back the lr we zeroed, or the next step would run at lr 0.
-            for group, lr in zip(engine.optimizer.param_groups, saved_lr):
-                group["lr"] = lr
-        if skip_reason is None:
-            self.spikes.record(step_loss)
-        if applied:
-            self._update_expert_bias()
-        return self._row(step, values, step_loss, applied, skip_reason, time.time() - t0)
-
-    def _update_expert_bias(self) -> None:
-        """Loss-free balancing after an applied step: the routed counts of the step, summed over
-        the micro-batches and the batch group (and the stages) in ``_reduced``, the same on every
-        rank, update each rank's copy of its layers' biases alike: device ops, no host copy, no
-        collective (``Transformer.update_expert_bias``; a pipeline stage updates its own)."""
-        moe = self.cfg.moe
-        if moe is None or moe.expert_bias_update_rate == 0:
-            return
-        counts = self._reduced[self.stats.counts]            # (L x E,) float64
-        self.model.update_expert_bias(counts.view(self.stats.layers, self.stats.experts))
-
-    def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
-        """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
-        inside ``train_batch`` after the last backward."""
-        t0 = time.time()
-        self.where.phase = "pipeline schedule (1F1B)"
-        self.model.reset_stats()
-        self._decided = None
-        self.engine.train_batch(iter(batches))
-        return self._finish_step(step, *self._decided, t0)
-
-    def _pipeline_before_step(self, gas: int) -> None:
-        # Every value lives on one stage (the losses on the last, each MoE layer's on its own):
-        # sum over the ranks that see different tokens, then over the stages.
-        stats = self._stats_vector(self.ctx.device)
-        self.model.add_step_stats(stats, gas, self.stats)   # device-side adds (training/pipeline.py)
-        self._check_router_replicas(self.where.step, stats)
+    def _decide(self, step: int, stats: torch.Tensor) -> StepDecision:
+        """After this rank's last forward (both paths): the step's statistics summed over the ranks
+        that see different tokens, then over the stages (each value lives on one), brought to the
+        host (``_to_host``), and whether the step is applied: the same on every rank."""
+        self.busy.arrive()              # this rank's own work of the step ends here
+        self._check_router_replicas(step, stats)
         comm.all_reduce_sum(stats, self.ctx.batch_group)
-        self._reduced = comm.all_reduce_sum(stats, self.ctx.groups.pp_group)
-        values = self._to_host(self._reduced)
-        step_loss = values[0] / max(values[1], 1)
-        skip_reason = self._skip_reason(step_loss, values[2] > 0)
-        saved_lr = self._prepare_last_step(skip_reason)
-        self.where.phase = "optimizer step"
-        self._decided = (values, step_loss, saved_lr, skip_reason)
+        comm.all_reduce_sum(stats, self.ctx.groups.pp_group)    # no pipeline stages: no-op
+        values, stragglers = self._to_host(step, stats)
+        skip_reason, spike = self._skip_reason(values.loss, values.nonfinite > 0)
+        return StepDecision(stats, values, skip_reason, spike, stragglers)
 
-    def _to_host(self, stats: torch.Tensor) -> list[float]:
+    def _router_check_step(self, step: int) -> bool:
+        groups, every = self.ctx.groups, self.recipe.train.log_every
+        return bool(self.moe_blocks) and groups.tp * groups.ep > 1 and step % every == 0
+
+    def _check_router_replicas(self, step: int, stats: torch.Tensor) -> None:
+        """Every ``train.log_every`` steps, put into the statistics how far the router weights,
+        replicated over tp x ep, have drifted apart (0.0 when bitwise equal; one small
+        all-reduce, no host copy). Routing that differs between tp peers would sum partial
+        outputs of different experts."""
+        if not self._router_check_step(step):
+            return
+        gates = [getattr(m.weight, "ds_tensor", m.weight) for name, m in self.model.named_modules()
+                 if name.endswith("mlp.gate")]
+        stats[self.stats.divergence] += comm.replica_divergence(gates, self.ctx.groups.mp_group)
+
+    def _to_host(self, step: int, stats: torch.Tensor) -> tuple[StepValues, dict]:
         """The step's one host copy: the summed statistics, and in the same all-reduce over the
         job the ranks that got a preemption signal (all stop after the same step;
-        ``training/preemption.py``) and those whose checkpoint writer is still busy (all publish
-        the save together; ``training/saving.py``). Sets ``stop_requested``, ``saves_written``."""
+        ``training/preemption.py``), those whose checkpoint writer is still busy (all publish
+        the save together; ``training/saving.py``) and, every ``train.log_every`` steps, every
+        rank's mean busy seconds (``busy_row``). Sets ``stop_requested``, ``saves_written``;
+        returns the statistics and the straggler metrics (empty off log steps)."""
         signalled = self.preemption is not None and self.preemption.received is not None
-        flags = torch.tensor([signalled, self.saver is not None and self.saver.writing],
-                             dtype=stats.dtype, device=stats.device)
-        values = torch.cat((stats, comm.job_sum(flags))).tolist()
-        self.saves_written, self.stop_requested = values.pop() == 0, values.pop() > 0
-        return values
+        writing = self.saver is not None and self.saver.writing
+        busy = self.busy.take_mean() if step % self.recipe.train.log_every == 0 else None
+        flags = [float(signalled), float(writing)]
+        if busy is not None:
+            flags += busy_row(busy, self.ctx.rank, self.ctx.world_size)
+        job = comm.job_sum(torch.tensor(flags, dtype=stats.dtype, device=stats.device))
+        host = torch.cat((stats, job)).tolist()
+        self.busy.synced()              # after the copy: a GPU's timing events have completed
+        summed, (signalled_ranks, writing_ranks, *busy_s) = host[:stats.numel()], host[stats.numel():]
+        self.stop_requested, self.saves_written = signalled_ranks > 0, writing_ranks == 0
+        return self.stats.read(summed), straggler_metrics(busy_s) if busy_s else {}
 
-    def _skip_reason(self, step_loss: float, nonfinite: bool) -> str | None:
-        self._spike = False
+    def _skip_reason(self, step_loss: float, nonfinite: bool) -> tuple[str | None, bool]:
+        """Why the step is not applied (None: it is), and whether its loss is a spike."""
         if nonfinite or not math.isfinite(step_loss):
-            return "non-finite loss"
+            return "non-finite loss", False
         if self.spikes.is_spike(step_loss):
-            self._spike = True
-            if self.recipe.train.spike_action != "log":
-                return f"loss spike ({step_loss:.4f})"
-        return None
+            skip = self.recipe.train.spike_action != "log"
+            return (f"loss spike ({step_loss:.4f})" if skip else None), True
+        return None, False
 
-    def _prepare_last_step(self, skip_reason: str | None) -> list[float] | None:
-        """Before the optimizer step: record lr; on a skip, make the update a no-op.
+    def _prepare_last_step(self, decision: StepDecision) -> None:
+        """After the last backward, before the optimizer step: record the lr (and at ZeRO-0 fp32
+        the gradient norm) in ``decision``; on a skip, make the update a no-op.
 
         With lr 0 AdamW changes no weight (decoupled decay is lr * wd * p); non-finite gradients
         are also zeroed at ZeRO-0 (ZeRO 1-3 and half precision skip them natively).
         """
-        lrs = [g["lr"] for g in self.engine.optimizer.param_groups]
-        self._sched_before = _schedule_position(self.engine.lr_scheduler)
-        self._lr = lrs[0]
-        if skip_reason is None:
-            self._grad_norm_local = self._local_grad_norm() if self.zero_stage == 0 and not self.half else None
-            return None
-        self._grad_norm_local = None
+        param_groups = self.engine.optimizer.param_groups
+        decision.lr = param_groups[0]["lr"]
+        decision.sched_before = _schedule_position(self.engine.lr_scheduler)
+        if decision.skip_reason is None:
+            if self.zero_stage == 0 and not self.half:
+                decision.grad_norm_local = self._local_grad_norm()
+            return
+        decision.saved_lr = [g["lr"] for g in param_groups]
         if self.zero_stage == 0:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.zero_()
-        for g in self.engine.optimizer.param_groups:
+        for g in param_groups:
             g["lr"] = 0.0
-        return lrs
 
     def _local_grad_norm(self) -> float:
         # ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
@@ -305,26 +303,73 @@ class Stepper:
         comm.all_reduce_sum(sq, self.ctx.groups.mp_group)
         return float(comm.all_reduce_sum(sq, self.ctx.groups.pp_group)) ** 0.5
 
-    def _row(self, step, values, step_loss, applied, skip_reason, step_time) -> tuple[dict, dict]:
+    def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
+        """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
+        inside ``train_batch`` after the last backward and leaves the step's decision."""
+        t0 = time.time()
+        self.where.phase = "pipeline schedule (1F1B)"
+        self.model.reset_stats()
+        self._pipeline_decision = None
+        self.engine.train_batch(iter(batches))
+        return self._finish_step(step, self._pipeline_decision, t0)
+
+    def _pipeline_before_step(self, gas: int) -> None:
+        """The hook DeepSpeed calls before the optimizer step: ``_decide`` and
+        ``_prepare_last_step`` on the statistics the stages stashed during the schedule."""
+        stats = self._stats_vector(self.ctx.device)
+        self.model.add_step_stats(stats, gas, self.stats)   # device-side adds (training/pipeline.py)
+        decision = self._decide(self.where.step, stats)
+        self._prepare_last_step(decision)
+        self.where.phase = "optimizer step"
+        self._pipeline_decision = decision
+
+    def _finish_step(self, step: int, decision: StepDecision, t0: float) -> tuple[dict, dict]:
+        """Put back a skipped step's lr, record the loss, update the expert biases; the metrics row."""
+        engine = self.engine
+        applied = engine.was_step_applied() and decision.skip_reason is None
+        if decision.saved_lr is not None and _schedule_position(engine.lr_scheduler) == decision.sched_before:
+            # No scheduler, or it did not step (DeepSpeed skips it with the optimizer step on
+            # an overflow): put back the lr we zeroed, or the next step would run at lr 0.
+            for group, lr in zip(engine.optimizer.param_groups, decision.saved_lr):
+                group["lr"] = lr
+        if decision.skip_reason is None:
+            self.spikes.record(decision.values.loss)
+        if applied:
+            self._update_expert_bias(decision.reduced)
+        return self._row(step, decision, applied, time.time() - t0)
+
+    def _update_expert_bias(self, reduced: torch.Tensor) -> None:
+        """Loss-free balancing after an applied step: the routed counts of the step, summed over
+        the micro-batches and the batch group (and the stages) in ``reduced``, the same on every
+        rank, update each rank's copy of its layers' biases alike: device ops, no host copy, no
+        collective (``Transformer.update_expert_bias``; a pipeline stage updates its own)."""
+        moe = self.cfg.moe
+        if moe is None or moe.expert_bias_update_rate == 0:
+            return
+        counts = reduced[self.stats.counts]            # (L x E,) float64
+        self.model.update_expert_bias(counts.view(self.stats.layers, self.stats.experts))
+
+    def _row(self, step: int, decision: StepDecision, applied: bool, step_time: float) -> tuple[dict, dict]:
+        values, skip_reason = decision.values, decision.skip_reason
         gn = self.engine.get_global_grad_norm()
         if gn is None:
-            gn = self._grad_norm_local
+            gn = decision.grad_norm_local
         gn = float(gn) if gn is not None else None
-        self.tokens_seen += int(values[1])
-        row = {"step": step, "loss": step_loss, "lr": self._lr,
+        self.tokens_seen += int(values.tokens)
+        row = {"step": step, "loss": values.loss, "lr": decision.lr,
                "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
-               "tokens": self.tokens_seen, "tokens_per_s": values[1] / step_time,
+               "tokens": self.tokens_seen, "tokens_per_s": values.tokens / step_time,
                "step_time_s": step_time}
         if self.noise:
-            row.update(self.noise.row(values[NOISE], row["grad_norm"], applied))
+            row.update(self.noise.row(values.small_batch_grad_sq, row["grad_norm"], applied))
         extra = {}
         if self.moe_blocks:
-            moe_row, extra = self.stats.moe_metrics(values, self.dp_size, self.moe_blocks)
+            moe_row, extra = self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)
             row.update(moe_row)
-        groups = self.ctx.groups
-        if self.moe_blocks and groups.tp * groups.ep > 1 and step % self.recipe.train.log_every == 0:
-            row["router_divergence"] = values[-1]     # 0.0: router replicas bitwise equal
-        if self._spike:
+        if self._router_check_step(step):
+            row["router_divergence"] = values.router_divergence     # 0.0: router replicas bitwise equal
+        row.update(decision.stragglers)         # every train.log_every steps: the ranks' busy times
+        if decision.spike:
             row["spike"] = True     # logged in every case; skipped or stopped when asked
         if not applied:
             row["skipped"] = skip_reason or "optimizer skipped the step (overflow)"

@@ -198,8 +198,10 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
     assert env_line == "OMP=3 NCCL=INFO"
     # torch distributed and W&B run settings reach the remote ranks; the W&B key never is written.
     assert (tmp_path / ".deepspeed_env").read_text().splitlines() == [
-        "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3", "TORCH_NCCL_BLOCKING_WAIT=1",
-        "WANDB_PROJECT=p"]
+        "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_NCCL_DUMP_ON_TIMEOUT=1",
+        "TORCH_NCCL_ENABLE_MONITORING=1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE=2000", "WANDB_PROJECT=p"]
     # The dry run prints the same command and leaves .deepspeed_env alone.
     (tmp_path / ".deepspeed_env").write_text("MY_VAR=2\n")
     dry = _run("multinode_hostfile.sh", hostfile, recipe, config, env=env, cwd=tmp_path)
@@ -245,3 +247,47 @@ def test_slurm_script_exit_code_is_the_ranks_without_a_warning(tmp_path):
     proc = _run("slurm_8x8.sbatch", RECIPE, CONFIG, env=env, dry_run=False)
     assert proc.returncode == 3, proc.stderr
     assert "requeue" not in proc.stderr
+
+
+# A fake launcher for the restart loop: attempt k (1-based) appends its line of ``plan`` to the
+# trainer's exit-code file (as the ranks do) and exits with the launcher's code.
+RESTART_PLANS = [
+    # (attempts' "trainer codes|launcher rc", --max-restarts, exit code, attempts, restart lines)
+    (["76 0|1", "|0"], 2, 0, 2, ["restart 1 of 2 after exit code 76 (a rank was lost or stopped making progress)"]),
+    (["|247", "75 0;75 1|1", "|0"], 3, 0, 3,
+     ["restart 1 of 3 after exit code 247 (the launcher exited 247 (a rank killed or failed))",
+      "restart 2 of 3 after exit code 75 (preempted: the ranks saved their step)"]),
+    (["2 0;2 1|1"], 3, 2, 1, []),                      # bad input: never restarted
+    (["76 0;3 1|1"], 3, 3, 1, []),                     # out of memory on one rank wins
+    (["74 0|1"], 3, 74, 1, []),
+    (["76 0|1", "76 0|1"], 1, 76, 2, ["restart 1 of 1 after exit code 76 (a rank was lost or stopped making progress)"]),
+]
+
+
+@pytest.mark.parametrize("plan,restarts,code,attempts,lines", RESTART_PLANS)
+def test_max_restarts_reruns_on_lost_ranks_and_preemption_never_on_bad_input(
+        tmp_path, plan, restarts, code, attempts, lines):
+    counter = tmp_path / "attempts"
+    cases = " ".join(f"'{p}'" for p in plan)
+    body = (f'n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}\n'
+            f'set -- {cases}; shift $((n - 1)); p=$1\n'
+            'codes=${p%%|*}; rc=${p##*|}\n'
+            'IFS=";"; for c in $codes; do [ -n "$c" ] && echo "$c" >> "$TRAIN_EXIT_CODE_FILE"; done\n'
+            'exit $rc\n')
+    env = _fake_bin(tmp_path, "deepspeed", body)
+    proc = _run("gpu_1.sh", "--max-restarts", str(restarts), str(REPO / RECIPE), str(REPO / CONFIG),
+                *EXTRA, env=env, cwd=tmp_path, dry_run=False)
+    assert proc.returncode == code, proc.stderr
+    assert int(counter.read_text()) == attempts, proc.stderr
+    restarts_logged = [line.split(": ", 1)[1].split(": the same command")[0]
+                       for line in proc.stderr.splitlines() if ": restart " in line]
+    assert restarts_logged == lines, proc.stderr
+    assert proc.stderr.count("+ deepspeed ") == attempts
+    assert not list(tmp_path.glob(".train_exit_codes.*"))      # the loop's file removed
+
+
+@pytest.mark.parametrize("bad", [["--max-restarts"], ["--max-restarts", "x"], ["--max-restarts=-1"]])
+def test_max_restarts_needs_a_count(bad):
+    proc = _run("gpu_1.sh", *bad, RECIPE, CONFIG)
+    assert proc.returncode == 2 and "--max-restarts takes a count >= 0" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import ds_config, run_setup
+from training import ds_config, preflight
 from planning import next_layout, oom
 from launch import train
 from training.recipe import load_recipe
@@ -176,7 +176,7 @@ def test_ladder_on_eight_gpus(tmp_path, monkeypatch):
 
 def ds_config_for(path: str, recipe, dp: int) -> dict:
     ds = ds_config.validate_ds_config(ds_config.load_ds_config(path), dp)
-    return run_setup.resolve_ds_config(ds, recipe)
+    return preflight.resolve_ds_config(ds, recipe)
 
 
 def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):

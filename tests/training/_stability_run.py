@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import ds_config, run_setup, stepping  # noqa: E402
+from training import ds_config, preflight, run_setup, stepping  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
 
 SPIKE_SCALE = 30.0
@@ -35,7 +35,7 @@ def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE
     recipe = load_recipe(None, ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32",
                                 "model.max_seq_len=16", "data.seq_len=16", f"train.spike_action={action}",
                                 "train.spike_window=2", "train.spike_factor=1.5", f"train.steps={len(values)}"])
-    ds = run_setup.resolve_ds_config(ds_config.validate_ds_config(ds_config.load_ds_config(config), 1), recipe)
+    ds = preflight.resolve_ds_config(ds_config.validate_ds_config(ds_config.load_ds_config(config), 1), recipe)
     ctx = run_setup.init_distributed(recipe)
     model = run_setup.build_model(recipe, None, ctx.groups)
     engine = run_setup.build_engine(model, ds, recipe.train.steps, ctx.groups)

@@ -49,11 +49,11 @@ def _max_rss() -> int:
 
 
 def _ds(name: str, recipe=None) -> dict:
-    from training import run_setup, schedules
+    from training import preflight, schedules
     from training.ds_config import load_ds_config, validate_ds_config
     ds = validate_ds_config(load_ds_config(str(REPO / "ds_configs" / f"{name}.json")), 2)
     if recipe is not None:
-        return run_setup.resolve_ds_config(ds, recipe)
+        return preflight.resolve_ds_config(ds, recipe)
     ds.pop("scheduler", None)
     return schedules.split_scheduler(ds)[0]
 

@@ -1,0 +1,133 @@
+"""The watchdog's parts without a job (training/watchdog.py): who the heartbeats say stopped, the
+allowed time, the peer-lost errors it recognises; and the checkpoint-share wait's timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from training import saving, watchdog
+from training.files import atomic_write
+
+LAUNCH = 1234
+
+
+def _beat(run_dir, rank, **fields):
+    folder = run_dir / watchdog.HEARTBEATS
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "launch": LAUNCH, "host": socket.gethostname(), "pid": os.getpid(),
+              "step": 7, "phase": "forward", "state": "running", "counter": 1, **fields}
+    atomic_write(folder / f"rank{rank}.json", json.dumps(record))   # as the watchdog writes
+
+
+def test_survey_names_dead_stopped_silent_and_missing_ranks_and_spares_the_live(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()                                               # a pid that no longer runs
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    os.kill(stopped.pid, 19)                                   # SIGSTOP
+    while open(f"/proc/{stopped.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.01)                                       # until the signal has landed
+    try:
+        _beat(tmp_path, 0)                                     # this process: alive, local
+        _beat(tmp_path, 1, host="elsewhere", counter=5)        # remote, its counter moves
+        _beat(tmp_path, 2, pid=ended.pid)                      # local, ended
+        _beat(tmp_path, 3, host="elsewhere", counter=9)        # remote, silent
+        _beat(tmp_path, 4, pid=stopped.pid)                    # local, stopped
+        _beat(tmp_path, 5, launch=LAUNCH - 1)                  # an earlier launch's file
+        _beat(tmp_path, 6, host="elsewhere", state="hung")     # remote, reported its own hang
+        # rank 7 wrote nothing
+        moving = threading.Event()
+
+        def tick():
+            n = 5
+            while not moving.is_set():
+                n += 1
+                _beat(tmp_path, 1, host="elsewhere", counter=n)
+                time.sleep(0.02)
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        try:
+            printer, out = watchdog.survey(tmp_path, 0, 8, LAUNCH, observe_s=0.3)
+        finally:
+            moving.set()
+            ticker.join()
+        assert printer
+        assert [r["rank"] for r in out] == [2, 3, 4, 5, 7]
+        assert out[-1] == {"rank": 7}
+        # A higher rank defers to a live lower one, and reads only its file.
+        assert watchdog.survey(tmp_path, 6, 8, LAUNCH, observe_s=0.3) == (False, [])
+        # The lowest live rank speaks when every rank below it stopped.
+        printer, out = watchdog.survey(tmp_path, 3, 5, LAUNCH, observe_s=0.1)
+        assert printer is False            # rank 0 (alive) is below 3
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+def test_the_lowest_live_rank_speaks_when_rank_0_is_gone(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    _beat(tmp_path, 0, pid=ended.pid)
+    _beat(tmp_path, 1)
+    printer, out = watchdog.survey(tmp_path, 1, 2, LAUNCH, observe_s=0.1)
+    assert printer and [r["rank"] for r in out] == [0]
+    line = watchdog.hang_message(5, 31.4, 30, out, [0], tmp_path / "hang")
+    assert line == (f"no progress for 31 s after step 5 (train.hang_timeout_s): rank 0 (pid "
+                    f"{ended.pid} on {socket.gethostname()}) stopped (its last heartbeat: step 7, "
+                    f"forward); killed rank 0; the live ranks' stacks are in {tmp_path / 'hang'}; "
+                    f"rerun the same command to resume (exit code 76)")
+
+
+def test_allowed_time_fixed_automatic_and_at_start_up(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: clock[0])
+    fixed = watchdog.Watchdog(tmp_path, 0, 1, 30.0)
+    auto = watchdog.Watchdog(tmp_path, 0, 1, 0.0)
+    try:
+        assert fixed.allowed_s() == auto.allowed_s() == watchdog.STARTUP_S   # before step 1
+        assert fixed.period_s == 3.0 and auto.period_s == 10.0
+        for dog in (fixed, auto):
+            for step, dt in enumerate([5.0, 40.0, 50.0, 45.0], start=1):
+                clock[0] += dt
+                dog.beat(step)
+        assert fixed.allowed_s() == 30.0
+        assert auto.allowed_s() == 10 * 50.0           # the slowest interval after step 1
+        auto._step_times = [1.0] * 5
+        assert auto.allowed_s() == watchdog.AUTO_FLOOR_S
+        assert watchdog.startup_allowance(9000.0) == 9000.0
+    finally:
+        fixed._stop.set()
+        auto._stop.set()
+
+
+@pytest.mark.parametrize("message,lost", [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4512", True),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1934, remote process exited or there was a network error", True),
+    ("[gloo] Connection reset by peer", True),
+    ("CUDA error: an illegal memory access was encountered", False),
+    ("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)", False),
+])
+def test_peer_lost_errors_are_recognised_and_others_are_not(message, lost):
+    assert watchdog.is_peer_lost(RuntimeError(message)) is lost
+
+
+def test_the_checkpoint_share_wait_names_the_missing_ranks(tmp_path):
+    (tmp_path / "manifest.rank0.json").write_text("{}")
+    (tmp_path / "manifest.rank2.json").write_text("{}")
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        saving._all_shares_written(tmp_path, 4, timeout_s=0.3)
+    assert time.monotonic() - t0 < 5
+    assert str(info.value) == (f"waited 0 s for the checkpoint share of rank(s) 1, 3 in {tmp_path}: "
+                               f"those ranks died, or their writes to this filesystem block (is "
+                               f"{tmp_path.parent} shared by every node?)")
+    (tmp_path / "manifest.rank1.json").write_text("{}")
+    (tmp_path / "manifest.rank3.json").write_text("{}")
+    assert saving._all_shares_written(tmp_path, 4, timeout_s=0.3) is True
