@@ -238,7 +238,7 @@ def test_an_init_dir_upcycles_into_one_the_trainer_accepts(dense_init, tmp_path,
                              "--out", str(out), "--split", "2", "--set", *sets]) == 0
     assert "computes the dense model's function" in capsys.readouterr().out
     recipe = load_recipe(REPO / "recipes" / "tiny_mixtral.yaml", sets)
-    from training.run_setup import check_init_from
+    from training.preflight import check_init_from
     assert check_init_from(str(out), recipe) == out          # train.py --init-from's own check
     cfg, sd, tokenizer = hf.load_init_dir(out)
     assert tokenizer is None and sorted(p.name for p in out.iterdir()) == [

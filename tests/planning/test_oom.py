@@ -179,7 +179,7 @@ def ds_config_for(path: str, recipe, dp: int) -> dict:
     return preflight.resolve_ds_config(ds, recipe)
 
 
-def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):
+def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch, tmp_path):
     try:
         torch.empty(2 ** 50, dtype=torch.uint8)            # the CPU allocator's real failure
     except RuntimeError as err:
@@ -188,8 +188,11 @@ def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch):
     assert oom._requested_bytes("CUDA out of memory. Tried to allocate 2.00 MiB") == 2 * 2 ** 20
     assert not oom.is_out_of_memory(RuntimeError("shape mismatch"))
     # Any other RuntimeError keeps its traceback (not swallowed into exit code 3).
-    monkeypatch.setattr(train, "prepare", lambda args: None)
-    monkeypatch.setattr(train, "train", lambda plan, where: (_ for _ in ()).throw(RuntimeError("boom")))
+    from types import SimpleNamespace
+    plan = SimpleNamespace(run_dir=tmp_path / "run", world_size=1,
+                           recipe=SimpleNamespace(train=SimpleNamespace(hang_timeout_s=0.0)))
+    monkeypatch.setattr(train, "prepare", lambda args: plan)
+    monkeypatch.setattr(train, "train", lambda plan, where, dog: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         train.main(["--config", "ds_configs/zero1.json"])
 
