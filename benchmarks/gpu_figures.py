@@ -6,8 +6,11 @@ From ``RUN_DIR/metrics.jsonl``: the median ``tokens_per_s``, ``mfu`` (causal att
 6 x L x h x s) and ``mfu_full_attn`` (12 x L x h x s, as torchtitan and most published figures
 count it) over the step rows after ``--warmup`` (fewer when the run is shorter: at least the last
 step is kept), the peak ``mem_gb``, the loss of the first and last step; beside it the
-estimator's GPU total (``launch/estimate_memory.py --json``). A figure the run did not log (no
-GPU: no ``mfu``, no ``mem_gb``) reads ``n/a``.
+estimator's GPU total and the planner's predicted tokens/s per GPU for the same run
+(``launch/estimate_memory.py --json``: ``predicted``, from ``planning/cost_model.py``) with the
+ratio measured / predicted, which calibrates the cost model's compute efficiency
+(docs/planning.md, "Calibrating it on your GPU"). A figure the run did not log (no GPU: no
+``mfu``, no ``mem_gb``) reads ``n/a``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import sys
 from pathlib import Path
 
 HEADER = ("| run | steps | tokens/s (median) | MFU (causal attn) | MFU (full attn) | peak mem GB "
-          "| estimator GB | loss first -> last |\n|---|---|---|---|---|---|---|---|")
+          "| estimator GB | planner tokens/s | measured / planner | loss first -> last |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -43,15 +47,19 @@ def run_row(run_dir: Path, estimate: Path | None = None, warmup: int = 5) -> str
         raise ValueError(f"{metrics}: no step rows (a row with loss and tokens_per_s)")
     timed = steps[min(warmup, len(steps) - 1):]
     mem = [r["mem_gb"] for r in steps if isinstance(r.get("mem_gb"), (int, float))]
-    est = "n/a"
+    est, predicted = "n/a", math.nan
     if estimate is not None and estimate.is_file():
-        total = (json.loads(estimate.read_text()).get("worst") or {}).get("gpu_total")
+        data = json.loads(estimate.read_text())
+        total = (data.get("worst") or {}).get("gpu_total")
         est = f"{total / 1e9:.1f}" if total else "n/a"
+        predicted = float((data.get("predicted") or {}).get("tokens_per_s_per_gpu", math.nan))
+    measured = _median(timed, "tokens_per_s")
     return (f"| {run_dir.name} | {len(steps)} ({len(timed)} timed) | "
-            f"{_fmt(_median(timed, 'tokens_per_s'), ',.0f')} | "
+            f"{_fmt(measured, ',.0f')} | "
             f"{_fmt(_median(timed, 'mfu'), '.1f', 100, '%')} | "
             f"{_fmt(_median(timed, 'mfu_full_attn'), '.1f', 100, '%')} | "
-            f"{f'{max(mem):.1f}' if mem else 'n/a'} | {est} | "
+            f"{f'{max(mem):.1f}' if mem else 'n/a'} | {est} | {_fmt(predicted, ',.0f')} | "
+            f"{_fmt(measured / predicted, '.2f')} | "
             f"{steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f} |")
 
 

@@ -192,6 +192,13 @@ def _worker(rank: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def schedule_model_step(work: list[float], micro_batches: int) -> float:
+    """Step time of a synchronous pipeline with free communication, ``work[s]`` one micro-batch's
+    forward + backward on stage s: the slowest stage paces the m - 1 steady micro-batches, and
+    every stage's work fills the ramp up and down (``planning.cost_model.pipeline_seconds``)."""
+    return (micro_batches - 1) * max(work) + sum(work)
+
+
 def summarize(rows: list[dict], args) -> list[dict]:
     """Per (schedule, m, stage): median bubble fraction and busy share, memory peaks."""
     by_step: dict[tuple, list] = {}
@@ -213,10 +220,9 @@ def summarize(rows: list[dict], args) -> list[dict]:
                 bubbles[s].append(1 - busy / (end - start))
         ms = [{k: 1e3 * statistics.median(b - a for r in per_stage[s] for kind, a, b in r["busy"]
                                           if kind == k) for k in "FB"} for s in range(STAGES)]
-        # Zero-cost communication, each micro-batch taking this stage's median F + B: the
-        # slowest stage paces the steady state, every stage's work fills the ramp-up/-down.
+        # Zero-cost communication, each micro-batch taking this stage's median F + B.
         work = [t["F"] + t["B"] for t in ms]
-        model_step = (m - 1) * max(work) + sum(work)
+        model_step = schedule_model_step(work, m)
         fastest = step_times.index(min(step_times))   # the step least disturbed by other load
         for s in range(STAGES):
             r0 = per_stage[s][0]

@@ -5,9 +5,12 @@
                                      [--json]
     python launch/estimate_memory.py --plan --recipe R [--config C] --nodes N --gpus-per-node G
                                      --gpu TYPE [--global-batch SEQS] [--host-memory-gb GB]
+                                     [--cluster NAME | --network-gbit-s GBPS] [--moe-imbalance X]
+                                     [--gemm-fraction F]
                                      [--write-config PATH] [--json]
 
-What the estimate counts and how the planner ranks layouts: ``planning/estimator.py``. Bad
+What the estimate counts and how the planner ranks layouts: ``planning/estimator.py``; the
+predicted step time (both modes) is ``planning/cost_model.py``'s, docs/planning.md. Bad
 inputs and layouts the trainer would refuse are one line on stderr, exit code 2. Estimates, not
 measurements: check the top choice with a short run (``mem_gb`` in metrics.jsonl).
 """
@@ -24,7 +27,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from planning import memory_model as mm  # noqa: E402
-from planning.estimator import estimate, format_estimate, format_plan, launch_command, plan  # noqa: E402
+from planning.estimator import (estimate, format_estimate, format_plan, launch_command, plan,  # noqa: E402
+                                step_time)
+from planning.hardware import CLUSTERS, cluster  # noqa: E402
 from training.ds_config import load_ds_config  # noqa: E402
 from training.hardware import GPUS  # noqa: E402
 from training.recipe import load_recipe  # noqa: E402
@@ -46,6 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (plan; default 4M tokens)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (plan)")
+    p.add_argument("--cluster", default=None,
+                   help=f"a cluster shape, setting --gpu, --gpus-per-node and --network-gbit-s: "
+                        f"one of {', '.join(CLUSTERS)}")
+    p.add_argument("--network-gbit-s", type=float, default=None,
+                   help="network bandwidth per node, Gb/s (default 400 per GPU: 3200 for 8)")
+    p.add_argument("--gemm-fraction", type=float, default=None,
+                   help="the GPU's large-GEMM share of its peak, measured (default: the table's)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="the busiest expert-parallel rank's routed tokens over the mean (default 1)")
     p.add_argument("--write-config", default=None,
                    help="plan: write the best layout's DeepSpeed JSON here and use it in the command")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
@@ -55,12 +69,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.cluster is not None:
+            if args.cluster not in CLUSTERS:
+                raise ValueError(f"--cluster {args.cluster!r} is unknown: choose one of "
+                                 f"{', '.join(CLUSTERS)}")
+            args.gpu, args.gpus_per_node, network = CLUSTERS[args.cluster]
+            args.network_gbit_s = args.network_gbit_s or network
         recipe = load_recipe(args.recipe, args.set)
         recipe_path = args.recipe or "recipes/tiny_mixtral.yaml"
         if args.plan:
             precision = mm.precision_of(load_ds_config(args.config)) if args.config else "bf16"
             result = plan(recipe, args.nodes, args.gpus_per_node, args.gpu, precision,
-                          args.global_batch, args.top, args.host_memory_gb)
+                          args.global_batch, args.top, args.host_memory_gb, args.network_gbit_s,
+                          args.moe_imbalance, args.gemm_fraction)
             command = note = ""
             if result["layouts"]:
                 best = result["layouts"][0]
@@ -80,8 +101,11 @@ def main(argv=None) -> int:
             return 0
         if args.config is None or args.gpus is None:
             raise ValueError("--config and --gpus are required (or use --plan --nodes N)")
-        est = estimate(recipe, load_ds_config(args.config), args.gpus, args.gpus_per_node, args.gpu,
-                       args.host_memory_gb)
+        ds = load_ds_config(args.config)
+        est = estimate(recipe, ds, args.gpus, args.gpus_per_node, args.gpu, args.host_memory_gb)
+        where = cluster(args.gpu, args.gpus_per_node, args.network_gbit_s,
+                        gemm_fraction=args.gemm_fraction)
+        est["predicted"] = step_time(recipe, est, ds, where, args.moe_imbalance)
         print(json.dumps(est, indent=1) if args.json else format_estimate(est))
         return 0
     except ValueError as err:

@@ -29,13 +29,14 @@ from model.checkpointing import CheckpointPolicy
 from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
 from planning.build_memory import build_bytes
-from training.ds_config import check_layout, load_ds_config, validate_ds_config
-from training.hardware import GPUS, GPUSpec, train_flops_per_token
+from training.ds_config import check_layout, load_ds_config, replica_sync_mode, validate_ds_config
+from planning.cost_model import Layout, Shape, step_cost
+from planning.hardware import Cluster, cluster
+from training.hardware import GPUS
 from training.recipe_schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
 HOST_GB_PER_GPU = 128     # host memory per GPU the build may use by default: a DGX A100 (1 TB / 8)
-ASSUMED_MFU = 0.45        # compute efficiency the planner's step time assumes
 PLAN_TOKENS = 4 * 1024 * 1024   # default global batch of the planner: 4M tokens per step
 GB = 1e9
 REPO = Path(__file__).resolve().parents[1]   # the stock ds_configs/ the planner starts from
@@ -134,88 +135,45 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
 # ---------------------------------------------------------------------------------------------
 # Step time and planner.
 
-def _bandwidth(spec: GPUSpec, group_span: int, gpus_per_node: int) -> float:
-    """Bytes/s of a collective whose ranks span ``group_span`` consecutive ranks: NVLink at half
-    its bidirectional figure inside a node, the per-GPU network figure across nodes."""
-    inside = group_span <= gpus_per_node
-    return (spec.nvlink_gb_s / 2 if inside else spec.network_gb_s) * GB
+def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1.0) -> Layout:
+    """The cost model's description of this trainer running ``est``'s layout under JSON ``ds``:
+    ep ranks split each micro-batch, PyTorch SDPA's flash kernel (FA2), eager elementwise ops
+    unless ``train.compile`` fuses each block, DeepSpeed's 1F1B without interleaving or
+    overlapped sends, the ep sum of replicated gradients as ``replica_sync_mode`` schedules it,
+    gradient reduction overlapped with backward when ``overlap_comm`` is on
+    (ZeRO-3 prefetches regardless), gradients reduced in the JSON's ``communication_data_type``
+    or the training precision, the all-to-all in ``model.moe.dispatch_dtype``; the busiest
+    rank's routed rows ``moe_imbalance`` times the mean."""
+    zero = ds.get("zero_optimization") or {}
+    comm = {"fp32": 4, "fp16": 2, "bf16": 2}.get(str(ds.get("communication_data_type", "")).lower())
+    dispatch = getattr(recipe.model.moe, "dispatch_dtype", None) if recipe.model.moe else None
+    return Layout(world=est["gpus"], global_batch=est["micro_batch"] * est["accumulation"] * est["zero_dp"],
+                  seq_len=est["seq_len"], micro_batch=est["micro_batch"], tp=est["tp"],
+                  sp=est["sequence_parallel"], ep=est["ep"], pp=est["pp"],
+                  zero_stage=est["zero_stage"], recompute=est["activation_checkpointing"],
+                  ep_splits_batch=True, attention="fa2", fused_elementwise=recipe.train.compile,
+                  replica_sync=replica_sync_mode(ds) if est["pp"] == 1 else "micro_batch",
+                  overlap_dp=bool(zero.get("overlap_comm")) or est["zero_stage"] == 3,
+                  grad_reduce_bytes=comm or mm.DTYPE_BYTES[est["precision"]],
+                  dispatch_bytes={"fp8": 1, "bf16": 2}.get(dispatch, mm.DTYPE_BYTES[est["precision"]]),
+                  moe_imbalance=moe_imbalance)
 
 
-def _recompute_flops_per_token(cfg, seq_len: int, policy: str) -> float:
-    """Forward FLOPs per token that backward repeats: 2 x matmul params recomputed, plus the
-    causal attention forward (2 h s) for recomputed attention."""
-    h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
-    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-    policy = CheckpointPolicy.parse(policy)
-    whole = policy.whole_blocks(cfg.num_layers)
-    total = 0.0
-    for i in range(cfg.num_layers):
-        moe = cfg.is_moe_layer(i)
-        ffn = 3 * h * f
-        if moe:
-            ffn = cfg.moe.top_k * 3 * h * fe + h * cfg.moe.num_experts + cfg.shared_params
-        if i in whole:
-            total += 2 * (attn + ffn) + 2 * h * seq_len
-        elif policy.name == "attention":
-            total += 2 * attn + 2 * h * seq_len
-        elif policy.name == "moe" and moe:
-            total += 2 * ffn
-        elif policy.name == "experts" and moe:
-            total += 2 * cfg.moe.top_k * 3 * h * fe
-    return total
-
-
-def step_time(recipe: Recipe, est: dict, gpu: str) -> dict:
-    """Predicted seconds per optimizer step; deliberately simple, no overlap assumed.
-
-    - compute: (train_flops_per_token + recompute) x tokens / (GPUs x bf16 peak x ASSUMED_MFU),
-      stretched by the 1F1B bubble: / (1 - (p-1)/(m+p-1)), m = accumulation steps;
-    - DP: ZeRO-0/1 reduce once at the accumulation boundary (reduce-scatter + all-gather, 2 psi
-      bytes per step); ZeRO-2 reduce-scatters on every micro-batch and all-gathers the updated
-      parameters once ((m + 1) psi); ZeRO-3 3 psi per micro-batch (gathers in forward and
-      backward, reduce-scatter); times (dp-1)/dp;
-    - TP: 4 all-reduces of b s h per block per micro-batch (2 forward, 2 backward), 2(tp-1)/tp;
-    - EP: all-to-all of 2 k T h per MoE layer per micro-batch, forward and backward, (ep-1)/ep;
-      once more where backward recomputes the whole MoE layer (``full``, ``every_k``, ``moe``;
-      not ``experts``, which recomputes only the expert FFNs between the exchanges);
-    - EP, replicated parameters: every parameter outside the experts is summed over ep once
-      per micro-batch (2 psi_other bytes, 2(ep-1)/ep): ZeRO-2/3 and pipelines; an upper bound
-      for ZeRO-0/1, where the trainer sums once per step (``model/parallel/grad_sync.py``);
-    with psi and the layers of one pipeline stage, at ``_bandwidth`` (the rank order is tp,
-    ep, dp, pp from fastest: model/parallel/groups.py). Pipeline p2p traffic is ignored.
-    """
-    cfg, spec = recipe.model, GPUS[gpu]
-    tp, ep, pp, dp, gpn = est["tp"], est["ep"], est["pp"], est["zero_dp"], est["gpus_per_node"]
-    a = mm.DTYPE_BYTES[est["precision"]]
-    m, seq = est["accumulation"], est["seq_len"]
-    tokens = est["micro_batch"] * m * dp * seq
-    flops = (train_flops_per_token(cfg, seq) + _recompute_flops_per_token(
-        cfg, seq, est["activation_checkpointing"])) * tokens
-    compute = flops / (est["gpus"] * spec.bf16_tflops * 1e12 * ASSUMED_MFU)
-    bubble = (pp - 1) / (m + pp - 1)
-    psi = max(st["params"]["total"] for st in est["stages"])
-    volume = {3: 3 * m, 2: m + 1}.get(est["zero_stage"], 2)      # psi per step, see above
-    dp_bytes = volume * psi * a * (dp - 1) / dp
-    layers = mm.stage_layers(cfg, pp, 0)
-    t_rank = est["micro_batch"] * seq / ep
-    tp_bytes = 4 * len(layers) * m * t_rank * cfg.hidden_size * a * 2 * (tp - 1) / tp
-    ep_bytes = 0.0
-    if cfg.moe is not None:
-        policy = CheckpointPolicy.parse(est["activation_checkpointing"])
-        whole = policy.whole_blocks(cfg.num_layers)
-        moe_layers = [i for i in layers if cfg.is_moe_layer(i)]
-        redone = sum(i in whole or policy.name == "moe" for i in moe_layers)   # exchange recomputed
-        ep_bytes = ((2 * len(moe_layers) + redone) * m * 2 * mm.routed_rows(cfg, t_rank)
-                    * cfg.hidden_size * a * (ep - 1) / ep)
-        other = max(st["params"]["other"] for st in est["stages"])
-        ep_bytes += m * other * a * 2 * (ep - 1) / ep
-    out = {"compute_s": compute / (1 - bubble), "bubble_fraction": bubble,
-           "dp_comm_s": dp_bytes / _bandwidth(spec, tp * ep * dp, gpn),
-           "tp_comm_s": tp_bytes / _bandwidth(spec, tp, gpn),
-           "ep_comm_s": ep_bytes / _bandwidth(spec, tp * ep, gpn)}
-    out["step_s"] = out["compute_s"] + out["dp_comm_s"] + out["tp_comm_s"] + out["ep_comm_s"]
-    out["tokens_per_s_per_gpu"] = tokens / out["step_s"] / est["gpus"]
-    return out
+def step_time(recipe: Recipe, est: dict, ds: dict, where: Cluster,
+              moe_imbalance: float = 1.0) -> dict:
+    """Predicted seconds per optimizer step of ``est``'s layout on ``where``, by the cost model
+    (``planning/cost_model.py``: GEMMs at shape-dependent efficiency, attention, memory-bound
+    work, recomputation, TP/SP/DP/ZeRO/EP/PP communication with the overlap DeepSpeed allows,
+    the 1F1B bubble), with the MFU in both conventions (6 L h s and 12 L h s attention)."""
+    shape = Shape.from_config(recipe.model)
+    layout = trainer_layout(recipe, est, ds, moe_imbalance)
+    cost = step_cost(shape, layout, where).as_dict()
+    peak = where.device.peak_flops
+    tokens = cost["tokens_per_s_per_gpu"]
+    cost["mfu"] = tokens * shape.flops_per_token(layout.seq_len) / peak
+    cost["mfu_full_attn"] = tokens * shape.flops_per_token(layout.seq_len, causal=False) / peak
+    cost["gemm_fraction"] = where.device.gemm_fraction
+    return cost
 
 
 CHECKPOINTING = ("none", "full", "attention", "moe", "experts")   # the planner's candidates
@@ -236,17 +194,24 @@ def _layouts(recipe: Recipe, world: int, gpus_per_node: int):
 
 def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: str = "bf16",
          global_batch: int | None = None, top: int = 10,
-         host_memory_gb: float | None = None) -> dict:
-    """Enumerate layouts, keep those that fit, rank them by ``step_time``.
+         host_memory_gb: float | None = None, network_gbit_s: float | None = None,
+         moe_imbalance: float = 1.0, gemm_fraction: float | None = None) -> dict:
+    """Enumerate layouts, keep those that fit, rank them by predicted tokens/s per GPU
+    (``step_time``; the same global batch for all, so the shortest step first).
 
     Every candidate keeps the global batch (sequences per step; default PLAN_TOKENS / seq_len)
     and uses the stock ``ds_configs/zero{stage}[_fp32].json`` with its micro-batch and
     accumulation replaced; what the trainer would refuse (the recipe's checks, ``ParallelDims``,
     ``training.ds_config.check_layout``) is skipped. A layout whose build does not fit (the
     host memory per node, ``host_memory_gb``; see ``estimate``) is refused with its reason,
-    once per (ZeRO stage, tp, ep, pp) in ``refused``. Returns ``{"layouts": [...best
-    first...], "considered", "refused", ...}``.
+    once per (ZeRO stage, tp, ep, pp) in ``refused``. The cluster: ``gpu`` nodes of
+    ``gpus_per_node`` with ``network_gbit_s`` per node (default one 400 Gb/s NIC per GPU).
+    Returns ``{"layouts": [...best first...], "considered", "refused", ...}``.
     """
+    if moe_imbalance < 1:
+        raise ValueError(f"--moe-imbalance {moe_imbalance}: the busiest rank's load over the "
+                         f"mean is at least 1")
+    where = cluster(gpu, gpus_per_node, network_gbit_s, gemm_fraction=gemm_fraction)
     world = nodes * gpus_per_node
     global_batch = global_batch or max(1, round(PLAN_TOKENS / recipe.seq_len))
     suffix = "_fp32" if precision == "fp32" else ""
@@ -277,10 +242,12 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                              "accumulation": ds["gradient_accumulation_steps"],
                              "activation_checkpointing": policy,
                              "config": f"ds_configs/zero{stage}{suffix}.json",
-                             "gpu_total": est["worst"]["gpu_total"], **step_time(r, est, gpu)})
-    rows.sort(key=lambda row: (row["step_s"], row["gpu_total"]))
+                             "gpu_total": est["worst"]["gpu_total"],
+                             **step_time(r, est, ds, where, moe_imbalance)})
+    rows.sort(key=lambda row: (-row["tokens_per_s_per_gpu"], row["gpu_total"]))
     return {"recipe": recipe.name, "nodes": nodes, "gpus_per_node": gpus_per_node, "gpu": gpu,
-            "global_batch": global_batch, "assumed_mfu": ASSUMED_MFU, "considered": considered,
+            "network_gbit_s": where.network_gbit_s, "moe_imbalance": moe_imbalance,
+            "global_batch": global_batch, "considered": considered,
             "fitting": len(rows), "layouts": rows[:top], "refused": list(refused.values())}
 
 
@@ -344,6 +311,13 @@ def format_estimate(est: dict) -> str:
     if w["cpu"]:
         lines.append(f"  CPU (offload): {w['cpu'] / GB:.2f} GB per rank, "
                      f"{est['cpu_per_node'] / GB:.1f} GB per node")
+    pred = est.get("predicted")
+    if pred:
+        lines.append(f"  predicted step (planning/cost_model.py, {est['gpu']}): {pred['step_s']:.3f} s, "
+                     f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {pred['mfu']:.1%} "
+                     f"(12 L h s attention: {pred['mfu_full_attn']:.1%}); compute "
+                     f"{pred['compute_s']:.3f} s, bubble {pred['bubble_s']:.3f} s, exposed "
+                     + ", ".join(f"{k} {pred[f'{k}_comm_s']:.3f} s" for k in ("tp", "dp", "ep", "pp")))
     b = est["build"]
     lines.append(f"  build (before deepspeed.initialize): {b['host_per_rank'] / GB:.2f} GB host per "
                  f"rank ({b['host_per_node'] / GB:.0f} of {b['host_memory'] / GB:.0f} GB per node), "
@@ -352,19 +326,38 @@ def format_estimate(est: dict) -> str:
     return "\n".join(lines)
 
 
+BREAKDOWN = (("compute", "compute_s"), ("bubble", "bubble_s"), ("tp comm", "tp_comm_s"),
+             ("dp comm", "dp_comm_s"), ("ep comm", "ep_comm_s"), ("pp comm", "pp_comm_s"),
+             ("optimizer", "optimizer_s"))
+
+
+def why_first(best: dict, second: dict) -> str:
+    """One line: where the runner-up's step is longer than the best layout's and where shorter,
+    largest first."""
+    diffs = [(second[k] - best[k], name) for name, k in BREAKDOWN]
+    more = sorted((d, n) for d, n in diffs if d >= 0.005)[::-1]
+    less = sorted((d, n) for d, n in diffs if d <= -0.005)
+    parts = ([f"more on {', '.join(f'{n} +{d:.2f} s' for d, n in more)}"] if more else []) + \
+            ([f"less on {', '.join(f'{n} {d:.2f} s' for d, n in less)}"] if less else [])
+    return (f"#1 over #2: {second['step_s'] - best['step_s']:.2f} s shorter per step"
+            + (f" (#2 spends {'; '.join(parts)})" if parts else ""))
+
+
 def format_plan(result: dict, command: str, note: str) -> str:
-    lines = [f"{result['recipe']} on {result['nodes']} x {result['gpus_per_node']} {result['gpu']}: "
-             f"{result['fitting']} of {result['considered']} layouts fit; global batch "
-             f"{result['global_batch']} sequences; step time at MFU {result['assumed_mfu']} + "
-             f"communication (no overlap)", "",
-             " # ZeRO tp sp ep pp  dp micro  acc ckpt       mem GB  step s  comp  dp-comm tp-comm ep-comm"
-             " tok/s/GPU"]
+    lines = [f"{result['recipe']} on {result['nodes']} x {result['gpus_per_node']} {result['gpu']} "
+             f"({result['network_gbit_s']:.0f} Gb/s per node): {result['fitting']} of "
+             f"{result['considered']} layouts fit; global batch {result['global_batch']} sequences; "
+             f"ranked by predicted tokens/s per GPU (planning/cost_model.py; MoE imbalance "
+             f"{result['moe_imbalance']:g})", "",
+             " # ZeRO tp sp ep pp  dp micro  acc ckpt       mem GB  step s compute bubble"
+             "  tp-comm dp-comm ep-comm pp-comm  optim tok/s/GPU  MFU  MFU-12"]
     for i, r in enumerate(result["layouts"], 1):
         lines.append(f"{i:2d} {r['zero_stage']:4d} {r['tp']:2d} {'on' if r['sp'] else '--'} {r['ep']:2d} {r['pp']:2d} {r['dp']:3d}"
                      f" {r['micro_batch']:5d} {r['accumulation']:4d} {r['activation_checkpointing']:<9}"
-                     f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:5.2f}"
-                     f" {r['dp_comm_s']:7.2f} {r['tp_comm_s']:7.2f} {r['ep_comm_s']:7.2f}"
-                     f" {r['tokens_per_s_per_gpu']:9.0f}")
+                     f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:7.2f}"
+                     f" {r['bubble_s']:6.2f} {r['tp_comm_s']:8.2f} {r['dp_comm_s']:7.2f}"
+                     f" {r['ep_comm_s']:7.2f} {r['pp_comm_s']:7.2f} {r['optimizer_s']:6.2f}"
+                     f" {r['tokens_per_s_per_gpu']:9.0f} {r['mfu']:4.0%} {r['mfu_full_attn']:6.0%}")
     refused = result.get("refused") or []
     if refused:
         r = refused[0]
@@ -372,4 +365,11 @@ def format_plan(result: dict, command: str, note: str) -> str:
                      f"e.g. ZeRO-{r['zero_stage']} tp {r['tp']} ep {r['ep']} pp {r['pp']}: {r['reason']}")
     if not result["layouts"]:
         return "\n".join(lines + ["no layout fits: add GPUs, or offload (ds_configs/zero3_offload.json)"])
+    best = result["layouts"][0]
+    b = best["breakdown"]
+    lines += ["", "compute of #1 per step: " + ", ".join(
+        f"{k} {b[k]:.2f} s" for k in ("gemm", "attention", "elementwise", "recompute", "head")
+        if b.get(k)) + "; MFU counts 6 L h s (causal) and 12 L h s (MFU-12) for attention"]
+    if len(result["layouts"]) > 1:
+        lines.append(why_first(best, result["layouts"][1]))
     return "\n".join(lines + ["", "best:", command] + ([note] if note else []))

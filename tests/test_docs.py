@@ -52,7 +52,7 @@ TOPIC_PAGES = [
     "pipeline-parallelism", "zero-and-fsdp", "activation-checkpointing", "mixed-precision",
     "communication", "checkpoints", "lr-schedules", "batch-size-and-lamb", "weight-decay",
     "accumulation", "stability", "hyperparameters", "dense-vs-sparse", "routers-and-top-k",
-    "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe", "data"]
+    "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe", "data", "planning"]
 DOCS = sorted([REPO / "README.md", REPO / "ds_configs" / "README.md",
                REPO / "benchmarks" / "README.md", *(REPO / "docs").glob("*.md"),
                *(REPO / "docs" / "studies").glob("*.md")])
@@ -65,7 +65,7 @@ PATH_TOKEN = re.compile(r"`((?:model|training|planning|interop|launch|tests|benc
 RUN_READERS = {"launch/evaluate.py", "launch/convert_hf.py", "launch/analyze_router.py"}
 DOCUMENTED_RUN = "runs/tiny-mixtral"
 # Benchmarks that finish in seconds on 2 CPU cores: run whole, as written.
-QUICK_BENCHMARKS = {"benchmarks/comm_volume.py"}
+QUICK_BENCHMARKS = {"benchmarks/comm_volume.py", "benchmarks/planner_vs_published.py"}
 _PASSED: set[tuple] = set()          # commands already run whole in this session, as written
 
 

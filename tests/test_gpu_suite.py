@@ -122,7 +122,7 @@ def test_figures_of_a_short_run_without_gpu_metrics(tmp_path):
     rows = [{"step": s, "loss": 5.0 - s, "tokens_per_s": 100.0 * s} for s in (1, 2, 3)]
     rows += [{"step": 3, "eval_loss": 4.0}, {"step": 3, "save_stall_s": 0.1}]
     line = gpu_figures.run_row(_metrics(tmp_path, rows), warmup=5)
-    assert line == "| run | 3 (1 timed) | 300 | n/a | n/a | n/a | n/a | 4.000 -> 2.000 |"
+    assert line == "| run | 3 (1 timed) | 300 | n/a | n/a | n/a | n/a | n/a | n/a | 4.000 -> 2.000 |"
 
 
 def test_figures_with_gpu_metrics_and_the_estimate(tmp_path):
@@ -131,9 +131,12 @@ def test_figures_with_gpu_metrics_and_the_estimate(tmp_path):
                                (4, 1100.0, 0.42, 60.0))]
     run = _metrics(tmp_path, rows)
     est = tmp_path / "est.json"
-    est.write_text(json.dumps({"worst": {"gpu_total": 63.2e9}}))
+    est.write_text(json.dumps({"worst": {"gpu_total": 63.2e9},
+                               "predicted": {"tokens_per_s_per_gpu": 1375.0}}))
     line = gpu_figures.run_row(run, est, warmup=1)
-    assert line == "| run | 4 (3 timed) | 1,100 | 42.0% | 44.0% | 61.5 | 63.2 | 3.000 -> 3.000 |"
+    # the planner's prediction beside the measurement: 1,100 / 1,375 = 0.80
+    assert line == ("| run | 4 (3 timed) | 1,100 | 42.0% | 44.0% | 61.5 | 63.2 | 1,375 | 0.80 "
+                    "| 3.000 -> 3.000 |")
 
 
 def test_figures_refuse_a_run_that_did_not_start(tmp_path):

@@ -30,6 +30,7 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 40, 312, 1.555, 600, 25),
     GPUSpec("a100-80gb", 80, 312, 2.039, 600, 25),
     GPUSpec("h100-80gb", 80, 989, 3.35, 900, 50),
+    GPUSpec("h100-96gb-500w", 96, 989, 2.4, 900, 50),   # Meta's Grand Teton H100: HBM2e, 500 W cap
     GPUSpec("h200-141gb", 141, 989, 4.8, 900, 50),
     GPUSpec("b200-192gb", 180, 2250, 8.0, 1800, 50),
 ]}

@@ -2,12 +2,17 @@
 
 One 2-rank spawn (about 10 s) counts TP2 dense (kv heads >= tp), TP2 Mixtral with sequence
 parallelism and EP2 Mixtral (dropless, top-2) at block and model scope; every test reads its rows. Counts are per rank; all-reduce elements are
-the reduced tensor, all-to-all elements are summed over the ranks.
+the reduced tensor, all-to-all elements are summed over the ranks. The cost model's volumes
+(``planning.cost_model.tp_volumes`` and ``ep_volumes``, for the same sizes) equal these counts
+exactly.
 """
+
+from collections import defaultdict
 
 import pytest
 
 from benchmarks import comm_volume as cv
+from planning import cost_model as cm
 
 SIZES = cv.Sizes(batch=2, seq=8, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, experts=4,
                  top_k=2, layers=2)
@@ -65,6 +70,75 @@ def test_tp_model_adds_only_the_vocab_parallel_embedding_and_cross_entropy(rows)
                       3 * SIZES.batch * SIZES.seq)}
 
 
+def _cost_model(family: str, scope: str, **degrees) -> tuple:
+    """The counted run's sizes as the cost model's Shape and Layout: 2 ranks, one micro-batch of
+    SIZES.batch x SIZES.seq; comm_volume's ep ranks split it, as this trainer's do."""
+    cfg = cv._config(family, SIZES, None, 1 if scope == "block" else SIZES.layers)
+    shape = cm.Shape.from_config(cfg)
+    layout = cm.Layout(world=2, global_batch=SIZES.batch, seq_len=SIZES.seq, micro_batch=SIZES.batch,
+                       ep_splits_batch=True, **degrees)
+    layout.check(shape)
+    return shape, layout
+
+
+# comm_volume's collective names -> the cost model's
+COST_OPS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+            "all_gather_into_tensor": "all_gather"}
+T, H, K = SIZES.batch * SIZES.seq, SIZES.hidden, SIZES.top_k     # TP: every rank all T tokens
+TH = T * H
+
+
+@pytest.mark.parametrize("layout,family,sp,scope,want", [
+    # per layer 2 all-reduces of T h each way; model: + the embedding's forward all-reduce, the
+    # head's backward one and the cross-entropy's 3 T statistics
+    ("tp2/dense", "dense", False, "block", {("all_reduce", "forward"): 2 * TH,
+                                            ("all_reduce", "backward"): 2 * TH}),
+    ("tp2/dense", "dense", False, "model", {("all_reduce", "forward"): 2 * 2 * TH + TH + 3 * T,
+                                            ("all_reduce", "backward"): 2 * 2 * TH + TH}),
+    # SP, per layer: attention and MoE each a reduce-scatter of T h and a gather of the T h / 2
+    # shard each way, backward gathering q/k/v's input once more; the routing weights' T k
+    # gradient all-reduced. Model: the embedding reduce-scatters T h forward and gathers its
+    # grad's shard; the head gathers its input forward and backward and reduce-scatters the grad
+    ("tp2-sp/mixtral", "mixtral", True, "block", {
+        ("reduce_scatter", "forward"): 2 * TH, ("all_gather", "forward"): 2 * TH / 2,
+        ("reduce_scatter", "backward"): 2 * TH, ("all_gather", "backward"): 3 * TH / 2,
+        ("all_reduce", "backward"): T * K}),
+    ("tp2-sp/mixtral", "mixtral", True, "model", {
+        ("reduce_scatter", "forward"): 2 * 2 * TH + TH, ("all_gather", "forward"): (2 * 2 + 1) * TH / 2,
+        ("reduce_scatter", "backward"): 2 * 2 * TH + TH, ("all_gather", "backward"): (2 * 3 + 2) * TH / 2,
+        ("all_reduce", "forward"): 3 * T, ("all_reduce", "backward"): 2 * T * K}),
+])
+def test_cost_model_tp_volumes_equal_the_counted_elements(rows, layout, family, sp, scope, want):
+    counted = defaultdict(int)
+    for r in _rows(rows, layout, scope):
+        if r.per_token:      # the replicated norms' grads are per parameter, outside tp_volumes
+            counted[(COST_OPS[r.op], r.phase)] += r.elements
+    shape, lay = _cost_model(family, scope, tp=2, sp=sp)
+    model = scope == "model"
+    assert dict(counted) == want
+    assert cm.tp_volumes(shape, lay, range(shape.layers), head=model, embedding=model) == want
+    if model:       # the first stage holds the embedding by default
+        assert cm.tp_volumes(shape, lay, range(shape.layers), head=True) == want
+
+
+def _counted_exchange(rows, layout: str, scope: str) -> dict:
+    """{(dispatch|combine, phase): elements summed over the ranks} of the expert exchange."""
+    return {(r.traffic.split()[1], r.phase): r.elements for r in _rows(rows, layout, scope)
+            if r.traffic.startswith(("MoE dispatch", "MoE combine"))}
+
+
+def test_cost_model_ep_volumes_times_ranks_equal_the_counted_exchange(rows):
+    # Balanced, each of the 2 ep ranks sends k T h = 2 x 8 x 32 per exchange and MoE layer (T = 8:
+    # its half of the micro-batch). A rank's counted share depends on the routing (how many rows
+    # its experts received); dropless, the sum over the ranks is exact: 2 x k T h.
+    for scope, moe_layers in (("block", 1), ("model", SIZES.layers)):
+        shape, lay = _cost_model("mixtral", scope, ep=2)
+        per_rank = cm.ep_volumes(shape, lay, range(shape.layers))
+        assert per_rank == {(label, phase): moe_layers * K * (T // 2) * H
+                            for label in ("dispatch", "combine") for phase in ("forward", "backward")}
+        assert {key: 2 * n for key, n in per_rank.items()} == _counted_exchange(rows, "ep2/mixtral", scope)
+
+
 def test_ep_exchange_sends_exactly_the_routed_rows(rows):
     k, h, E, tokens = SIZES.top_k, SIZES.hidden, SIZES.experts, SIZES.batch * SIZES.seq
     for scope, moe_layers in (("block", 1), ("model", SIZES.layers)):
@@ -112,6 +186,11 @@ def test_experts_checkpointing_does_not_repeat_the_expert_exchange():
         phases = {"forward", "backward"} | ({"recompute"} if policy == "moe" else set())
         assert {r.phase for r in got} == phases, (policy, got)
         assert [r for r in rows if r.per_token and not r.ok] == [], policy
+        # the cost model repeats the exchange for the same policies: its per-rank figure times
+        # the 2 ranks equals the counted rows, recompute phase included
+        shape, lay = _cost_model("mixtral", "block", ep=2, recompute=policy)
+        assert {key: 2 * n for key, n in cm.ep_volumes(shape, lay, range(1)).items()} == \
+            _counted_exchange(rows, "ep2/mixtral", "block"), policy
 
 
 def test_tied_embedding_gradient_is_summed_over_ep_once():
