@@ -11,11 +11,12 @@ reported as CPU memory per rank and per node. The model's build, before ``deepsp
 ``HOST_GB_PER_GPU`` per GPU) and the GPU.
 
 The planner enumerates ZeRO 0-3 x TP (up to the node size) x EP x PP (at most 8) x micro-batch
-1/2/4/8 x activation checkpointing none/full/selective, skips what the trainer would refuse (the
+1/2/4/8 x activation checkpointing (``CHECKPOINTING``), skips what the trainer would refuse (the
 same validators), refuses with its reason a layout whose build does not fit, keeps what fits and
-ranks by a predicted step time (see
-``step_time``), then prints the exact launch command of the best. Estimates, not measurements:
-check the top choice with a short run (``mem_gb`` in metrics.jsonl).
+ranks by predicted tokens/s per GPU (``step_time``: ``planning/cost_model.py`` on the cluster
+of ``planning/hardware.py``), then prints the exact launch command of the best. Estimates, not
+measurements: check the top choice with a short run (``mem_gb`` and ``tokens_per_s`` in
+metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ CHECKPOINTING = ("none", "full", "attention", "moe", "experts")   # the planner'
 def _layouts(recipe: Recipe, world: int, gpus_per_node: int):
     """Every layout the trainer accepts on ``world`` GPUs (``ParallelDims``), with tp inside a
     node and at most 8 pipeline stages. Sequence parallelism whenever tp > 1 can split the
-    sequence: activations split by tp for one more all-gather per sub-layer in backward (not in
-    ``step_time``: small)."""
+    sequence: activations split by tp for one more all-gather per sub-layer in backward (counted
+    by the cost model's ``tp_volumes``)."""
     for tp, ep, pp in itertools.product(range(1, gpus_per_node + 1), range(1, world + 1), range(1, 9)):
         sp = tp > 1 and recipe.seq_len % tp == 0
         try:

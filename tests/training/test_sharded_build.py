@@ -8,9 +8,11 @@ One spawn checks:
   baseline (measured in the same process after imports and process groups, before the build) by
   at most the estimator's build peak (``planning/build_memory.py``: the rank's half of the model,
   1.58 GB, plus the largest module in flight, 0.52 GB) + 10% for the allocator, and by less than
-  3/4 of the full model, which the build without ``zero.Init`` holds whole on every rank.
-  Measured: +1.87-1.90 GB on rank 0, +2.02-2.16 GB on rank 1 (which receives ``zero.Init``'s
-  broadcasts), against an estimate of 2.11 GB; the build without ``zero.Init`` grows each rank
+  3/4 of the full model, which the build without ``zero.Init`` holds whole on every rank. Rank 1
+  receives ``zero.Init``'s broadcasts and holds one more tensor, the largest drawn (0.27 GB),
+  which the estimate leaves out. Measured: +1.87-1.90 GB on rank 0, and +2.03-2.42 GB on rank 1
+  over 9 runs on 2026-12-02 (the largest under the CI's two test processes), against an
+  estimate of 2.11 GB (2.38 GB with the receive buffer); the build without ``zero.Init`` grows each rank
   by 3.49 GB before ``deepspeed.initialize``. The build takes ~20 s. The engine is initialized
   without the JSON's optimizer: Adam's states are the step's memory, not the build's.
 - the weights: tiny Mixtral and tied dense models built partitioned, in fp32 and bf16, hold
@@ -152,5 +154,7 @@ def test_zero3_build_holds_half_the_model_per_rank_and_the_same_weights(tmp_path
               f"{row['after_initialize'] / gb:.2f} GB; estimate +{row['estimate']['cpu_peak'] / gb:.2f}; "
               f"full model {full / gb:.2f} GB")
         assert row["held"] == pytest.approx(row["params"] / 2, rel=1e-4)     # this rank's half
-        assert grown <= 1.1 * row["estimate"]["cpu_peak"], row
+        # a receiving rank also holds zero.Init's broadcast of the largest tensor drawn
+        receive = row["estimate"]["draw"] if rank > 0 else 0
+        assert grown <= 1.1 * (row["estimate"]["cpu_peak"] + receive), row
         assert grown < 0.75 * full, row
