@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis import run_plots  # noqa: E402
 from training.hardware import train_flops_per_token  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 
 RECIPES = {"dense": "recipes/tiny_dense.yaml", "switch": "recipes/tiny_switch.yaml",
            "mixtral": "recipes/tiny_mixtral.yaml"}

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from model.moe.dispatcher import plan_dispatch
-from training.checkpoint import latest_tag, tag_for_step
+from training.checkpoint.layout import latest_tag, tag_for_step
 
 CLASSES = ("whitespace", "digit", "punctuation", "capitalized", "space_word", "other")
 EXPERT_COLLAPSE = 0.1     # an expert below 0.1 x its uniform share k*T/E is collapsed

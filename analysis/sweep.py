@@ -15,7 +15,7 @@ import random
 import shlex
 from pathlib import Path
 
-from training.recipe import parse_value
+from training.config.recipe import parse_value
 
 
 def parse_grid(items: list[str]) -> dict[str, list]:

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planning import memory_model as mm  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 from model import Transformer  # noqa: E402
 
 POLICIES = ("none", "full", "attention", "moe", "experts", "every_k:2")

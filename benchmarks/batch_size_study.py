@@ -1,6 +1,6 @@
 """Batch-size study on the embedded corpus: loss vs tokens at three global batches, the lr scaled
 from a base by the linear and by the square-root rule, plus LAMB at the largest batch, and the
-gradient noise scale the trainer logs (``training/noise_scale.py``) over training.
+gradient noise scale the trainer logs (``training/step/noise_scale.py``) over training.
 
     OMP_NUM_THREADS=1 python benchmarks/batch_size_study.py --out DIR [--tokens N]
 

@@ -29,7 +29,7 @@ from model import Transformer                                       # noqa: E402
 from model.parallel import draw as draw_mod                         # noqa: E402
 from model.parallel.groups import ParallelGroups                    # noqa: E402
 from model.parallel.layers import take_shard                        # noqa: E402
-from training.recipe import load_recipe                             # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 
 MIXTRAL = ["model.hidden_size=1024", "model.num_heads=8", "model.num_kv_heads=2",
            "model.ffn_hidden_size=3584", "model.num_layers=4", "model.vocab_size=32000",

@@ -26,7 +26,7 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   backward gathers once more where column-parallel layers stored only their input's shard (q/k/v,
   gate/up, the output head; not the MoE layer, which stores no gathered input); the norms' weight
   gradients are summed over tp once per backward (per parameter, see below).
-* EP: dispatch and combine each move exactly the routed rows (sum of tokens_per_expert * h over
+* EP: dispatch and combine each move exactly the routed rows (sum of routed_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
   load-balancing loss (E integers).
@@ -352,7 +352,7 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
     for n, over in axes.items():
         replicated_over["mp" if len(over) == 2 else next(iter(over))].append(sizes_[n])
     return dict(records=rec.records, replicated_over=dict(replicated_over),
-                routing=[dict(module=m, tokens_per_expert=a.tokens_per_expert.tolist(),
+                routing=[dict(module=m, routed_per_expert=a.routed_per_expert.tolist(),
                               local_experts=model.get_submodule(m).experts.expert_ids)
                          for m, a in zip(moe_layers, auxes)])
 
@@ -412,7 +412,7 @@ def _routing_expectations(result: dict, h: int) -> dict:
     ranks = result["ranks"]
     out = {}
     for li, layer in enumerate(ranks[0]["routing"]):
-        tpe = [r["routing"][li]["tokens_per_expert"] for r in ranks]        # per source rank
+        tpe = [r["routing"][li]["routed_per_expert"] for r in ranks]        # per source rank
         local = [set(r["routing"][li]["local_experts"]) for r in ranks]
         routed = [sum(t) for t in tpe]
         routed_off = [sum(c for e, c in enumerate(tpe[r]) if e not in local[r]) for r in range(len(ranks))]

@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         return 0
     import shutil
 
-    from data_pipeline.sources import sample_texts
+    from data_pipeline.readers import sample_texts
     from data_pipeline.tokenizer import train_tokenizer
 
     work = Path(args.work_dir)

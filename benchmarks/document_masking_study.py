@@ -131,7 +131,7 @@ def kernel_cost(seq_lens=(128, 1024), doc_len: int = 40, reps: int = 7) -> dict:
     separator every ``doc_len`` tokens, masking off and on, interleaved."""
     import torch
     from model import Transformer
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     out = {}
     for S in seq_lens:
         cfg = dataclasses.replace(load_recipe(RECIPE).model, max_seq_len=S)
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
         return 2
     args.out.mkdir(parents=True)
     from analysis import run_plots
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     seq_len = load_recipe(RECIPE).seq_len
     started = datetime.datetime.now().isoformat(timespec="seconds")
     load_before = os.getloadavg()

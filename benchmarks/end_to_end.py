@@ -22,7 +22,7 @@ The step-time breakdown times the engine's ``forward``, ``backward`` and ``step`
 and, with several ranks, communication outside those calls. Steps after ``--warmup`` count;
 medians are reported. Prints a markdown table and the ratio (ours / transformers tokens/s).
 
-``--compile``: ours with ``train.compile`` (each block compiled, ``training/compile.py``) against
+``--compile``: ours with ``train.compile`` (each block compiled, ``training/engine/compile.py``) against
 ours eager instead of transformers', the same weights, JSON and tokens, stepped in turn the same
 way; the ratio is compiled / eager tokens/s. Compilation happens in the first step (forward and
 backward graphs), inside ``--warmup``.
@@ -146,17 +146,14 @@ def _batches(cfg, micro: int, accumulation: int, seq: int, steps: int, device) -
     return out
 
 
-def build_ours(recipe, ds, ctx, total_steps):
-    """Our model through the trainer's own engine setup and step (its blocks compiled when
-    ``recipe.train.compile``): a function running one step."""
-    from model import Transformer
-    from training import run_setup, stepping
-    from training.compile import compile_blocks
-    model = Transformer(recipe.model, ctx.groups, init_seed=recipe.train.seed)
-    compile_blocks(model, recipe.train.compile, ds)
-    engine = run_setup.build_engine(model, ds, total_steps, ctx.groups)
-    stepper = stepping.Stepper(engine, recipe, ds, ctx, dp_size=1)
-    return model, PhaseTimer(engine, ctx.device), stepper.train_step
+def build_ours(run):
+    """Our model through the trainer's own set-up and step (a ``training.run.trainer.Run`` that
+    has joined the job: the model at its layout, its engine and ``Stepper``; its blocks compiled
+    when ``train.compile``): the model, its timer and a function running one step."""
+    if run.ctx is None:
+        run.join_job()
+    run.build_model()
+    return run.model, PhaseTimer(run.engine, run.ctx.device), run.build_stepper().train_step
 
 
 def build_hf(ours, cfg, ds, ctx):
@@ -166,7 +163,7 @@ def build_hf(ours, cfg, ds, ctx):
     from transformers import AutoModelForCausalLM
 
     from interop import hf
-    from training import schedules
+    from training.optim import schedules
     model = AutoModelForCausalLM.from_config(hf.to_hf_config(cfg)).to(ctx.device)
     model.load_state_dict(hf.to_hf_state_dict(cfg, {k: v.detach().cpu() for k, v in ours.state_dict().items()}))
     model.config.output_router_logits = True
@@ -181,17 +178,19 @@ def build_hf(ours, cfg, ds, ctx):
     return PhaseTimer(engine, ctx.device), step
 
 
-def run_interleaved(recipe, ds, ctx, batches, warmup, compiled: bool = False):
-    """Both models built (ours and transformers', or with ``compiled`` ours eager and ours
-    compiled), then one step of each in turn, so that load on a shared machine hits both alike;
-    returns their per-step rows (after ``warmup``)."""
-    model, ours_timer, ours_step = build_ours(recipe, ds, ctx, len(batches))
+def run_interleaved(run, batches, warmup, compiled: bool = False):
+    """Both models built (ours, from ``run``, and transformers', or with ``compiled`` ours eager
+    and ours compiled), then one step of each in turn, so that load on a shared machine hits both
+    alike; returns their per-step rows (after ``warmup``)."""
+    from training.run.trainer import Run
+    plan = run.plan
+    model, ours_timer, ours_step = build_ours(run)
     if compiled:
-        train = dataclasses.replace(recipe.train, compile=True)
-        _, other_timer, other_step = build_ours(dataclasses.replace(recipe, train=train), ds, ctx,
-                                                len(batches))
+        train = dataclasses.replace(plan.recipe.train, compile=True)
+        _, other_timer, other_step = build_ours(Run(dataclasses.replace(
+            plan, recipe=dataclasses.replace(plan.recipe, train=train))))
     else:
-        other_timer, other_step = build_hf(model, recipe.model, ds, ctx)
+        other_timer, other_step = build_hf(model, plan.recipe.model, plan.ds, run.ctx)
     ours_rows, other_rows = [], []
     for step, micro_batches in enumerate(batches, 1):
         with ours_timer.step(ours_rows):
@@ -212,23 +211,22 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from training import preflight, run_setup
-    from training.ds_config import load_ds_config, validate_ds_config
-    from training.recipe import load_recipe
+    from training.run import distributed
+    from training.run.preflight import plan_for
+    from training.run.trainer import Run
 
-    ds0 = validate_ds_config(load_ds_config(args.config), dp_size=1)
     results = []
     for size in args.sizes.split(","):
-        recipe = load_recipe(args.recipe, SIZES[size] + ["model.moe.router_jitter=0.0"])
-        ctx = run_setup.init_distributed(recipe)
-        ds = preflight.resolve_ds_config(ds0, recipe)
+        run = Run(plan_for(args.config, args.recipe, SIZES[size] + ["model.moe.router_jitter=0.0"],
+                           args.steps))
+        recipe, ds, ctx = run.plan.recipe, run.plan.ds, run.join_job()
         micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         if args.op_profile:
             op_profile(recipe, micro, ctx.device)
             continue
         batches = _batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
         tokens = micro * acc * recipe.seq_len
-        ours_rows, hf_rows = run_interleaved(recipe, ds, ctx, batches, args.warmup, args.compile)
+        ours_rows, hf_rows = run_interleaved(run, batches, args.warmup, args.compile)
         # tokens/s ratio per step: ours / transformers, or compiled / eager (the second model).
         ratio = statistics.median(o["total"] / h["total"] if args.compile else h["total"] / o["total"]
                                   for o, h in zip(ours_rows, hf_rows))
@@ -236,7 +234,7 @@ def main(argv=None) -> int:
                         ratio))
 
     if args.op_profile:
-        run_setup.shutdown()
+        distributed.shutdown()
         return 0
     print(f"config {args.config}, device {ctx.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; medians over {args.steps - args.warmup} steps (ms)\n")
@@ -257,10 +255,10 @@ def main(argv=None) -> int:
         else:
             print(f"{size}: ours / transformers tokens/s = {ratio:.2f} (median of per-step ratios; "
                   f"of the medians {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f})")
-    run_setup.shutdown()
+    distributed.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    from training.run_setup import exit_now
+    from training.run.distributed import exit_now
     exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run

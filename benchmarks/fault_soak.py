@@ -10,7 +10,7 @@ point, until ``--faults`` were injected; then once more to the end. The faults:
 
 - ``kill_job``: SIGKILL of every process (a node lost, a scheduler's hard kill);
 - ``kill_rank``: SIGKILL of one rank (a GPU error, the OOM killer): the survivor names it and
-  exits 76 (``training/watchdog.py``);
+  exits 76 (``training/resilience/watchdog.py``);
 - ``stop_rank``: SIGSTOP of one rank (a hung process) past the watchdog
   (``train.hang_timeout_s``): the live rank dumps its stacks, names it and exits 76;
 - ``sigterm``: SIGTERM to every rank (a preemption): each finishes its step, saves it, exits 75;

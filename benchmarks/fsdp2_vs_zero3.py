@@ -13,8 +13,8 @@ check is FSDP2 and ZeRO-3 losses equal per step on the same tokens, within ``--r
 
 ZeRO-3 is the repository's own path: the recipe and ``--config`` JSON resolved as
 ``launch/train.py`` resolves them, the model built partitioned under ``zero.Init``
-(``run_setup.build_model``), ``deepspeed.initialize`` with our weight-decay groups
-(``run_setup.build_engine``) and the trainer's step (``stepping.Stepper.train_step``). FSDP2 is
+(``Run.build_model``: ``training.engine.build``), ``deepspeed.initialize`` with our weight-decay
+groups and the trainer's step (``Run.build_stepper``: ``Stepper.train_step``). FSDP2 is
 ``fully_shard`` on every block and then on the root (``reshard_after_forward=True``: parameters
 gathered per block in forward and again in backward, as ZeRO-3) over the data-parallel ranks,
 with what DeepSpeed builds from the same JSON: torch's ``AdamW`` over the same parameter groups,
@@ -122,13 +122,12 @@ def step_batches(cfg, ds: dict, seq: int, steps: int, dp_rank: int, dp: int, dev
 # The two frameworks, each one object with ``step(step, micro_batches) -> loss``.
 
 class Zero3Run:
-    """The trainer's own path: partitioned build, ``build_engine``, ``Stepper.train_step``."""
+    """The trainer's own path (``training.run.trainer.Run``, joined to the job): partitioned
+    build, ``build_engine``, ``Stepper.train_step``."""
 
-    def __init__(self, recipe, ds: dict, ctx):
-        from training import run_setup, stepping
-        self.model = run_setup.build_model(recipe, None, ctx.groups, ds)
-        self.engine = run_setup.build_engine(self.model, ds, recipe.train.steps, ctx.groups)
-        self.stepper = stepping.Stepper(self.engine, recipe, ds, ctx, ctx.groups.dp)
+    def __init__(self, run):
+        run.build_model()
+        self.model, self.stepper = run.model, run.build_stepper()
 
     def step(self, step: int, micro_batches) -> tuple[float, float]:
         row, _ = self.stepper.train_step(step, micro_batches)
@@ -152,7 +151,7 @@ class Fsdp2Run:
         from torch.distributed.fsdp import fully_shard
 
         from model import Transformer
-        from training import optim
+        from training.optim import optimizers
         g = ctx.groups
         self.model = Transformer(recipe.model, g, init_seed=recipe.train.seed).to(ctx.device)
         self.model.set_activation_checkpointing(recipe.train.activation_checkpointing)
@@ -162,7 +161,7 @@ class Fsdp2Run:
         fully_shard(self.model, mesh=mesh)
         params = dict(ds["optimizer"]["params"])
         assert ds["optimizer"]["type"].lower() == "adamw" and params.pop("torch_adam", False), ds["optimizer"]
-        groups = optim.param_groups(self.model, params["weight_decay"])   # names unchanged by FSDP2
+        groups = optimizers.param_groups(self.model, params["weight_decay"])   # names unchanged by FSDP2
         self.opt = torch.optim.AdamW(groups, **params)                    # as DeepSpeed's torch_adam
         sched = ds.get("scheduler")
         self.sched = getattr(lr_schedules, sched["type"])(self.opt, **sched["params"]) if sched else None
@@ -175,7 +174,7 @@ class Fsdp2Run:
         sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)   # ce_sum, tokens
         for input_ids, labels in micro_batches:
             out = model(input_ids, labels)
-            # The trainer's objective (training/stepping.py): exact accumulation over the step.
+            # The trainer's objective (training/step/stepper.py): exact accumulation over the step.
             loss = out.ce_sum * (self.dp / self.tokens_per_step) + model.router_loss(out) / gas
             loss.backward()
             sums += torch.stack([out.ce_sum.detach().double(), out.num_target_tokens.double()])
@@ -198,39 +197,35 @@ class Fsdp2Run:
 # One comparison on every rank.
 
 def setup(model: str, args):
-    """Recipe, resolved DeepSpeed JSON and process groups, as ``launch/train.py`` prepares them."""
-    from training import ds_config, preflight, run_setup
-    from training.recipe import apply_overrides, load_recipe
-    ds_sets = [o for o in args.set if o.startswith("ds.")]
-    recipe = load_recipe(REPO / RECIPES[model], [f"train.steps={args.steps}",
-                                                 *(o for o in args.set if not o.startswith("ds."))])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = recipe.dims(world)
-    if world != dims.dp:
-        raise ValueError(f"parallel sizes tp x ep x pp ({world // dims.dp}) must be 1: FSDP2 "
-                         f"with tensor, expert or pipeline parallelism is not compared here")
-    ds = apply_overrides(ds_config.load_ds_config(REPO / args.config), ds_sets, "DeepSpeed key", "ds.")
-    ds = ds_config.validate_ds_config(ds, dims.dp)
-    ds = preflight.resolve_ds_config(ds, recipe)
-    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
+    """The trainer's run of ``model`` joined to the job (recipe, resolved DeepSpeed JSON and
+    process groups, as ``launch/train.py`` prepares them)."""
+    from training.run.preflight import plan_for
+    from training.run.trainer import Run
+    plan = plan_for(REPO / args.config, str(REPO / RECIPES[model]), args.set, args.steps)
+    if plan.world_size != plan.dp_size:
+        raise ValueError(f"parallel sizes tp x ep x pp ({plan.world_size // plan.dp_size}) must be "
+                         f"1: FSDP2 with tensor, expert or pipeline parallelism is not compared here")
+    stage = int((plan.ds.get("zero_optimization") or {}).get("stage", 0))
+    half = any((plan.ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
     if stage != 3 or half:
         raise ValueError(f"--config {args.config}: stage {stage}, half precision {half}; "
                          f"the comparison needs ZeRO-3 in fp32 (ds_configs/zero3_fp32.json)")
-    ctx = run_setup.init_distributed(recipe)
-    return recipe, ds, ctx
+    run = Run(plan)
+    run.join_job()
+    return run
 
 
 def compare(model: str, args) -> dict:
     """Both frameworks on this rank; per-step losses, peak bytes and step times of each."""
-    recipe, ds, ctx = setup(model, args)
+    run = setup(model, args)
+    recipe, ds, ctx = run.plan.recipe, run.plan.ds, run.ctx
     g = ctx.groups
     batches = step_batches(recipe.model, ds, recipe.seq_len, args.steps, g.dp_rank, g.dp, ctx.device)
     runs, res = {}, {name: {"loss": [], "grad_norm": [], "time": []} for name in ("fsdp2", "zero3")}
     for name, cls in (("fsdp2", Fsdp2Run), ("zero3", Zero3Run)):
         gc.collect()
         with PeakMemory(ctx.device) as mem:
-            runs[name] = cls(recipe, ds, ctx)
+            runs[name] = Zero3Run(run) if cls is Zero3Run else Fsdp2Run(recipe, ds, ctx)
             for step in range(1, args.memory_steps + 1):
                 _record(res[name], runs[name].step(step, batches[step - 1]))
         res[name]["peak_bytes"] = mem.peak
@@ -293,7 +288,7 @@ def report(model: str, per_rank: list[dict], args) -> tuple[str, float]:
 
 
 def run_distributed(args) -> int:
-    from training import run_setup
+    from training.run import distributed
     results, text, worst = {}, [], 0.0
     for model in args.models.split(","):
         per_rank = gather_ranks(compare(model, args))
@@ -308,7 +303,7 @@ def run_distributed(args) -> int:
         print("\n\n".join(text))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-    run_setup.shutdown()
+    distributed.shutdown()
     if worst > args.rtol:
         print(f"FAIL: FSDP2 and ZeRO-3 losses differ by {worst:.1e} relative (> {args.rtol:g})",
               file=sys.stderr)
@@ -340,5 +335,5 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    from training.run_setup import exit_now
+    from training.run.distributed import exit_now
     exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run

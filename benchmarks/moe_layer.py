@@ -281,7 +281,7 @@ def build_runs(args, x: torch.Tensor, dy: torch.Tensor) -> list[Run]:
         hf.to(device=device, dtype=dtype)
         flops = flops_per_step(tokens, args.hidden, args.ffn, e)
         with torch.no_grad():
-            counts = ours(x)[1].tokens_per_expert.float()                  # (E,)
+            counts = ours(x)[1].routed_per_expert.float()                  # (E,)
         ours_seconds = timed_step(ours, x, dy, CLOCKS[args.timer])[1]
         runs.append(Run(e, "ours", ours, None, flops, diff=0.0,
                         note=f"load max/mean {(counts.max() / counts.mean()).item():.2f}"))

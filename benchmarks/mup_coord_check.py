@@ -7,7 +7,7 @@ Launch:   python benchmarks/mup_coord_check.py --out docs/studies/img           
 Both modes train our ``Transformer`` in process (no DeepSpeed): a dense model of 2 blocks with 4
 heads (so the head width grows with the model width and the attention scale matters), byte-level
 tokens (vocab 256) of the embedded corpus (this Python's standard library, ``data_pipeline/sources.py``),
-plain ``torch.optim.AdamW`` over the param groups the trainer builds (``training.optim.param_groups``
+plain ``torch.optim.AdamW`` over the param groups the trainer builds (``training.optim.optimizers.param_groups``
 and ``apply_group_lr_scales``: muP's hidden matrices at lr / m), constant lr, no weight decay.
 muP runs use ``mup_base_hidden_size`` = the smallest width, so at that width the two differ only in
 the attention scale (1/d vs 1/sqrt(d)).
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.config import DenseConfig  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from data_pipeline.sources import stdlib_files  # noqa: E402
-from training import optim  # noqa: E402
+from training.optim import optimizers  # noqa: E402
 
 QUANTITIES = ("embedding", "attention", "mlp", "logits")
 
@@ -73,8 +73,8 @@ def model_config(width: int, mup: bool, base: int, layers: int = 2) -> DenseConf
 def build(cfg: DenseConfig, lr: float, seed: int):
     """The model and an AdamW over the trainer's param groups (muP: hidden group at lr / m)."""
     model = Transformer(cfg, init_seed=seed)
-    groups = optim.param_groups(model, 0.0, cfg)
-    optim.apply_group_lr_scales({"optimizer": {"params": {"lr": lr}}}, groups)
+    groups = optimizers.param_groups(model, 0.0, cfg)
+    optimizers.apply_group_lr_scales({"optimizer": {"params": {"lr": lr}}}, groups)
     opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     return model, opt
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -72,21 +73,23 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    from training import preflight, run_setup
-    from training.ds_config import load_ds_config, validate_ds_config
-    from training.recipe import load_recipe
+    from training.engine.build import optimizer_summary
+    from training.run import distributed
+    from training.run.preflight import plan_for
+    from training.run.trainer import Run
 
-    recipe = load_recipe(args.recipe, end_to_end.SIZES[args.size] + ["model.moe.router_jitter=0.0"])
-    ctx = run_setup.init_distributed(recipe)
-    ds0 = preflight.resolve_ds_config(validate_ds_config(load_ds_config(args.config), dp_size=1), recipe)
+    plan = plan_for(args.config, args.recipe, end_to_end.SIZES[args.size] + ["model.moe.router_jitter=0.0"],
+                    args.steps)
+    recipe, ds0 = plan.recipe, plan.ds
+    ctx = Run(plan).join_job()
     micro, acc = ds0["train_micro_batch_size_per_gpu"], ds0["gradient_accumulation_steps"]
     batches = end_to_end._batches(recipe.model, micro, acc, recipe.seq_len, args.steps, ctx.device)
     runs = {}
     for name, (change, expected) in VARIANTS.items():
         ds = copy.deepcopy(ds0)
         change(ds)
-        model, timer, step = end_to_end.build_ours(recipe, ds, ctx, args.steps)
-        built = run_setup.optimizer_summary(step.__self__.engine)
+        model, timer, step = end_to_end.build_ours(Run(dataclasses.replace(plan, ds=ds)))
+        built = optimizer_summary(step.__self__.engine)
         built.pop("wrapper")
         assert built == expected, (name, built)      # DeepSpeed built what the JSON asked for
         runs[name] = {"timer": timer, "step": step, "rows": [], "losses": []}
@@ -112,10 +115,10 @@ def main(argv=None) -> int:
         diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], run["losses"]))
         print(f"| {name} | {1e3 * total:.1f} | {1e3 * optim:.1f} | {tokens / total:,.0f} | "
               f"{speedup:.2f}x | {diff:.1e} |")
-    run_setup.shutdown()
+    distributed.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    from training.run_setup import exit_now
+    from training.run.distributed import exit_now
     exit_now(main())        # no interpreter finalization, where gloo's threads can abort a finished run

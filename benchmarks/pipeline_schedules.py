@@ -5,7 +5,7 @@ Launch:   python benchmarks/pipeline_schedules.py                 # p=2, m in 2,
           python benchmarks/pipeline_schedules.py --micro-batches 2 4 8 16 --json sched.json
 
 Two gloo ranks on 127.0.0.1 each hold one stage of the same dense transformer, built from the
-pipeline layers the trainer uses (``training/pipeline.py``: stage 0 = embedding + half the blocks,
+pipeline layers the trainer uses (``training/engine/pipeline.py``: stage 0 = embedding + half the blocks,
 stage 1 = the other half + norm + head + loss; stage I/O ``(hidden, aux_sum, z_sum)``). One
 harness runs both schedules as instruction streams with plain blocking send/recv
 (``model/parallel/p2p.py``):
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from deepspeed.runtime.pipe import schedule as ds_schedule  # noqa: E402
 
-from training.pipeline import BlockPipe, EmbeddingPipe, HeadPipe, PipelineLoss  # noqa: E402
+from training.engine.pipeline import BlockPipe, EmbeddingPipe, HeadPipe, PipelineLoss  # noqa: E402
 from model.config import DenseConfig  # noqa: E402
 from model.parallel import p2p  # noqa: E402
 from model.parallel.groups import ParallelGroups  # noqa: E402

@@ -40,7 +40,7 @@ if str(REPO) not in sys.path:
 
 from planning.cost_model import Layout, Shape, step_cost  # noqa: E402
 from planning.hardware import cluster  # noqa: E402
-from training.recipe import load_recipe, recipe_from_dict  # noqa: E402
+from training.config.recipe import load_recipe, recipe_from_dict  # noqa: E402
 
 BUILT_IN = REPO / "benchmarks" / "published_runs.json"
 TOLERANCE = 0.25

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     from analysis import run_plots
     from interop import hf
     from interop.consolidate import load_run_model
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
 
     N, M = args.dense_steps, args.steps
     print(f"phase 1: dense, {N} steps", file=sys.stderr)

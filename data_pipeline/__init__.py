@@ -2,8 +2,8 @@
 
 Three layers a reader can tell apart, as Megatron-Core's ``datasets`` splits them:
 
-- **Preparation** (offline, ``launch/prepare_data.py``): ``sources.py`` plans the input as shards,
-  ``readers.py`` streams each shard's documents, ``tokenizer.py`` trains or loads the tokenizer,
+- **Preparation** (offline, ``launch/prepare_data.py``): ``sources.py`` plans the input as shards
+  (it lists files and HF datasets, reads none), ``readers.py`` streams each shard's documents, ``tokenizer.py`` trains or loads the tokenizer,
   ``encoder.py`` tokenizes batches in worker processes, ``prepare.py`` writes and publishes.
 - **Storage**: ``indexed.py``, megatron-core's ``.bin``/``.idx`` format, memory-mapped, and the
   prepared datasets (shards + manifest) made of it.

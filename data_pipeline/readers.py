@@ -11,7 +11,6 @@ sequential pass first (disk speed, far faster than tokenizing). Empty documents 
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import io
@@ -19,15 +18,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from data_pipeline.sources import Fields, ShardPlan
+from data_pipeline.sources import Fields, ShardPlan, load_stream, missing_field, plan_shards
 
 _HASH_CHUNK = 8 << 20
-
-
-def _missing(json_key: str, names, where: str, fields: Fields) -> ValueError:
-    return ValueError(
-        f"{fields.json_key} ({json_key!r}) is missing from {where} (has: {sorted(names)}); fix: set "
-        f"{fields.json_key} to the key/column holding each document's text")
 
 
 class _Hashing(io.RawIOBase):
@@ -78,7 +71,7 @@ def _jsonl_rows(path: Path, json_key: str, fields: Fields, hashing: _Hashing) ->
                 raise ValueError(f"{path}:{lineno} is not a JSON object on one line ({e}); fix: write one "
                                  "JSON object per line (JSON lines), or fix that line") from None
             if not isinstance(row, dict) or json_key not in row:
-                raise _missing(json_key, row if isinstance(row, dict) else {}, f"{path}:{lineno}", fields)
+                raise missing_field(json_key, row if isinstance(row, dict) else {}, f"{path}:{lineno}", fields)
             yield _text(row[json_key], f"{path}:{lineno}", json_key, fields)
 
 
@@ -104,7 +97,7 @@ def check_field(plan: ShardPlan, json_key: str, fields: Fields = Fields()) -> No
             raise ValueError(f"{path} is not a Parquet file ({type(e).__name__}: {e}); fix: "
                              "replace or remove it") from None
         if json_key not in names:
-            raise _missing(json_key, names, str(path), fields)
+            raise missing_field(json_key, names, str(path), fields)
         return
     with open(path, "rb") as raw:
         for _ in _jsonl_rows(path, json_key, fields, _Hashing(raw)):
@@ -117,82 +110,6 @@ def _file_sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             sha.update(chunk)
     return sha.hexdigest()
-
-
-@contextlib.contextmanager
-def _hub_offline():
-    """HF Hub offline for one call: an uncached name fails at once instead of retrying the network.
-    datasets and huggingface_hub read ``HF_HUB_OFFLINE`` into module constants at import, so the
-    environment variable cannot switch it later."""
-    import datasets
-    import huggingface_hub.constants
-
-    modules = (datasets.config, huggingface_hub.constants)
-    saved = [m.HF_HUB_OFFLINE for m in modules]
-    for m in modules:
-        m.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        for m, value in zip(modules, saved):
-            m.HF_HUB_OFFLINE = value
-
-
-def _name_split(entry: str) -> tuple[str, str]:
-    name, _, split = entry.split(":", 1)[1].partition(":")
-    return name, split or "train"
-
-
-def _hf_error(entry: str, e: Exception, fields: Fields, how: str) -> ValueError:
-    first = (str(e).splitlines() or [""])[0][:200]
-    fix = ("cache it beforehand with datasets.load_dataset (or save_to_disk it)" if how == "offline"
-           else "check the name, split and network")
-    return ValueError(f"{fields.input} entry {entry!r}: cannot open the HF dataset {how} "
-                      f"({type(e).__name__}: {first}); fix: {fix}, or point at local files")
-
-
-def arrow_files(entry: str, json_key: str, fields: Fields = Fields()) -> list[Path]:
-    """The Arrow files of ``hf:NAME[:SPLIT]``: a ``save_to_disk`` folder, or a dataset in the local
-    HF cache (opened offline: nothing is downloaded)."""
-    import datasets
-
-    name, split = _name_split(entry)
-    try:
-        with _hub_offline():
-            if Path(name, "state.json").is_file() or Path(name, "dataset_dict.json").is_file():
-                ds = datasets.load_from_disk(name)
-                ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-            else:
-                ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # datasets raises many types; the user needs one clear line
-        raise _hf_error(entry, e, fields, "offline") from None
-    if json_key not in ds.column_names:
-        raise _missing(json_key, ds.column_names, repr(entry), fields)
-    if ds._indices is not None or not ds.cache_files:
-        raise ValueError(f"{fields.input} entry {entry!r} is a view (selected, shuffled or in memory), "
-                         "not Arrow files; fix: save it with ds.flatten_indices().save_to_disk(DIR) "
-                         "and name hf:DIR")
-    return [Path(f["filename"]) for f in ds.cache_files]
-
-
-def _load_stream(name: str, split: str):
-    import datasets
-
-    return datasets.load_dataset(name, split=split, streaming=True)
-
-
-def open_stream(entry: str, json_key: str, fields: Fields = Fields()) -> tuple[tuple[str, str], int]:
-    """``hf-stream:NAME[:SPLIT]``: its (name, split) and number of shards, the text field checked
-    on the first row."""
-    name, split = _name_split(entry)
-    try:
-        ds = _load_stream(name, split)
-        first = next(iter(ds.take(1)), None)
-    except Exception as e:  # as above: one line
-        raise _hf_error(entry, e, fields, "streaming") from None
-    if first is not None and json_key not in first:
-        raise _missing(json_key, first, repr(entry), fields)
-    return (name, split), max(1, ds.num_shards)
 
 
 class ShardReader:
@@ -264,11 +181,11 @@ class ShardReader:
 
     def _stream(self, sha) -> Iterator[str]:
         name, split, num, index = self.plan.stream
-        ds = _load_stream(name, split)
+        ds = load_stream(name, split)
         ds = ds.shard(num_shards=num, index=index) if num > 1 else ds
         for i, row in enumerate(ds):
             if self.json_key not in row:
-                raise _missing(self.json_key, row, f"{self.plan.source} row {i}", self.fields)
+                raise missing_field(self.json_key, row, f"{self.plan.source} row {i}", self.fields)
             text = _text(row[self.json_key], f"{self.plan.source} row {i}", self.json_key, self.fields)
             data = text.encode()
             sha.update(len(data).to_bytes(8, "little"))
@@ -299,3 +216,26 @@ class ShardReader:
             texts.close()           # closes the file now, and sets sha256 of a capped shard
         if batch:
             yield batch
+
+
+def check_fields(plans: list[ShardPlan], json_key: str, fields: Fields = Fields()) -> list[ShardPlan]:
+    """``check_field`` on every shard of ``plans`` (``sources.plan_shards``), so that a wrong text
+    field fails before anything is written; returns ``plans``. ``prepare_dataset`` checks only the
+    shards it prepares, so K machines share the opening."""
+    for plan in plans:
+        check_field(plan, json_key, fields)
+    return plans
+
+
+def sample_texts(inputs: list[str], json_key: str, max_bytes: int) -> list[str]:
+    """About ``max_bytes`` of documents spread over the whole input, for training a tokenizer.
+
+    The cap of ``sources.plan_shards``: whole ``.txt``/stdlib documents in a fixed hash order of
+    their keys over the whole input (not the first files), and the first rows of every row file up
+    to its share. Deterministic.
+    """
+    texts = []
+    for plan in plan_shards(inputs, json_key, max_bytes):
+        for batch in ShardReader(plan, json_key).batches(4_000_000):
+            texts.extend(batch)
+    return texts

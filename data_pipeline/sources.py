@@ -14,11 +14,14 @@ A byte cap (``max_bytes``) is spread over the inputs in proportion to their size
 documents picked in that hash order, and the first rows of each row file up to its share.
 
 Planning only lists and stats files (and opens HF datasets to list their Arrow files or stream
-shards); reading is ``readers.py``. The same arguments give the same plan on every machine.
+shards: ``arrow_files``, ``open_stream``); reading, and checking the text field on a row file's
+first row, is ``readers.py``, which imports this module (never the other way). The same
+arguments give the same plan on every machine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -179,16 +182,96 @@ def _stdlib_entry(seen: set) -> _Entry:
     return out
 
 
-def _hf_entry(entry: str, json_key: str, fields: Fields) -> _Entry:
-    from data_pipeline import readers
+def missing_field(json_key: str, names, where: str, fields: Fields) -> ValueError:
+    return ValueError(
+        f"{fields.json_key} ({json_key!r}) is missing from {where} (has: {sorted(names)}); fix: set "
+        f"{fields.json_key} to the key/column holding each document's text")
 
+
+@contextlib.contextmanager
+def _hub_offline():
+    """HF Hub offline for one call: an uncached name fails at once instead of retrying the network.
+    datasets and huggingface_hub read ``HF_HUB_OFFLINE`` into module constants at import, so the
+    environment variable cannot switch it later."""
+    import datasets
+    import huggingface_hub.constants
+
+    modules = (datasets.config, huggingface_hub.constants)
+    saved = [m.HF_HUB_OFFLINE for m in modules]
+    for m in modules:
+        m.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for m, value in zip(modules, saved):
+            m.HF_HUB_OFFLINE = value
+
+
+def _name_split(entry: str) -> tuple[str, str]:
+    name, _, split = entry.split(":", 1)[1].partition(":")
+    return name, split or "train"
+
+
+def _hf_error(entry: str, e: Exception, fields: Fields, how: str) -> ValueError:
+    first = (str(e).splitlines() or [""])[0][:200]
+    fix = ("cache it beforehand with datasets.load_dataset (or save_to_disk it)" if how == "offline"
+           else "check the name, split and network")
+    return ValueError(f"{fields.input} entry {entry!r}: cannot open the HF dataset {how} "
+                      f"({type(e).__name__}: {first}); fix: {fix}, or point at local files")
+
+
+def arrow_files(entry: str, json_key: str, fields: Fields = Fields()) -> list[Path]:
+    """The Arrow files of ``hf:NAME[:SPLIT]``: a ``save_to_disk`` folder, or a dataset in the local
+    HF cache (opened offline: nothing is downloaded)."""
+    import datasets
+
+    name, split = _name_split(entry)
+    try:
+        with _hub_offline():
+            if Path(name, "state.json").is_file() or Path(name, "dataset_dict.json").is_file():
+                ds = datasets.load_from_disk(name)
+                ds = ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            else:
+                ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # datasets raises many types; the user needs one clear line
+        raise _hf_error(entry, e, fields, "offline") from None
+    if json_key not in ds.column_names:
+        raise missing_field(json_key, ds.column_names, repr(entry), fields)
+    if ds._indices is not None or not ds.cache_files:
+        raise ValueError(f"{fields.input} entry {entry!r} is a view (selected, shuffled or in memory), "
+                         "not Arrow files; fix: save it with ds.flatten_indices().save_to_disk(DIR) "
+                         "and name hf:DIR")
+    return [Path(f["filename"]) for f in ds.cache_files]
+
+
+def load_stream(name: str, split: str):
+    import datasets
+
+    return datasets.load_dataset(name, split=split, streaming=True)
+
+
+def open_stream(entry: str, json_key: str, fields: Fields = Fields()) -> tuple[tuple[str, str], int]:
+    """``hf-stream:NAME[:SPLIT]``: its (name, split) and number of shards, the text field checked
+    on the first row."""
+    name, split = _name_split(entry)
+    try:
+        ds = load_stream(name, split)
+        first = next(iter(ds.take(1)), None)
+    except Exception as e:  # as above: one line
+        raise _hf_error(entry, e, fields, "streaming") from None
+    if first is not None and json_key not in first:
+        raise missing_field(json_key, first, repr(entry), fields)
+    return (name, split), max(1, ds.num_shards)
+
+
+def _hf_entry(entry: str, json_key: str, fields: Fields) -> _Entry:
     if entry.startswith("hf-stream:"):
-        name, num = readers.open_stream(entry, json_key, fields)
+        name, num = open_stream(entry, json_key, fields)
         plans = [ShardPlan("stream", f"{entry}#{i}", stat_key=f"{entry}#{i}/{num}",
                            stream=(name[0], name[1], num, i)) for i in range(num)]
         return _Entry(rows=plans, known_size=False)
     out = _Entry()
-    for path in readers.arrow_files(entry, json_key, fields):
+    for path in arrow_files(entry, json_key, fields):
         st = path.stat()
         out.rows.append(ShardPlan("arrow", str(path), (path,), bytes=st.st_size,
                                   mtime_ns=st.st_mtime_ns, stat_key=f"{st.st_size}:{st.st_mtime_ns}"))
@@ -249,11 +332,8 @@ def _txt_groups(txt: list, source: str) -> list[ShardPlan]:
 
 
 def plan_shards(inputs: list[str], json_key: str = "text", max_bytes: int | None = None,
-                fields: Fields = Fields(), check_fields: bool = False) -> list[ShardPlan]:
+                fields: Fields = Fields()) -> list[ShardPlan]:
     """The shards of ``inputs``, in input order; the same on every machine for the same arguments.
-
-    ``check_fields`` also opens every row file to check ``json_key`` on its schema or first row
-    (``prepare_dataset`` checks only the shards it prepares, so K machines share the opening).
 
     Raises:
         ValueError: one line naming ``fields.input`` (or ``fields.json_key``) for an entry that
@@ -282,25 +362,4 @@ def plan_shards(inputs: list[str], json_key: str = "text", max_bytes: int | None
         plans.extend(e.rows)
     if not plans:
         raise ValueError(f"{fields.input} ({inputs!r}) holds no non-empty documents; fix: check the files")
-    if check_fields:
-        from data_pipeline.readers import check_field
-
-        for plan in plans:
-            check_field(plan, json_key, fields)
     return plans
-
-
-def sample_texts(inputs: list[str], json_key: str, max_bytes: int) -> list[str]:
-    """About ``max_bytes`` of documents spread over the whole input, for training a tokenizer.
-
-    The cap of :func:`plan_shards`: whole ``.txt``/stdlib documents in a fixed hash order of their
-    keys over the whole input (not the first files), and the first rows of every row file up to
-    its share. Deterministic.
-    """
-    from data_pipeline import readers
-
-    texts = []
-    for plan in plan_shards(inputs, json_key, max_bytes):
-        for batch in readers.ShardReader(plan, json_key).batches(4_000_000):
-            texts.extend(batch)
-    return texts

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from training.checkpoint import LATEST, latest_tag, read_run_config
-from training import torch_load
+from training.checkpoint.layout import LATEST, latest_tag, read_run_config
+from training.checkpoint import safe_load
 
 
 def merge_model_parallel(cfg, world: dict, shards: dict[int, dict]) -> dict[str, torch.Tensor]:
@@ -69,13 +69,13 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
     if world is not None and world.get("pipeline_parallel_size", 1) > 1:
         # DeepSpeed's PipelineModule writes the module weights per layer and 'model' (tp x ep)
         # rank, ``layer_XX-model_YY-model_states.pt`` (the tied head's copy on the last stage
-        # is not written); the layers' keys are the Transformer's (training/pipeline.py), so the
+        # is not written); the layers' keys are the Transformer's (training/engine/pipeline.py), so the
         # layers of one 'model' rank together form its shard of the Transformer.
         shards = {}
         for r in range(mp):
             shards[r] = {}
             for f in sorted((Path(ckpt_dir) / tag).glob(f"layer_*-model_{r:02d}-model_states.pt")):
-                shards[r].update(torch_load.load(f))
+                shards[r].update(safe_load.load(f))
         if mp > 1:
             return merge_model_parallel(cfg, world, shards)
         return {k: v.float() for k, v in shards[0].items()}
@@ -83,7 +83,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         if zero_stage == 3:
             shards = {r: zero3_fp32_shard(Path(ckpt_dir) / tag, r) for r in range(mp)}
         else:
-            shards = {r: torch_load.load(Path(ckpt_dir) / tag /
+            shards = {r: safe_load.load(Path(ckpt_dir) / tag /
                                          f"mp_rank_{r:02d}_model_states.pt")["module"]
                       for r in range(mp)}
         return merge_model_parallel(cfg, world, shards)
@@ -92,7 +92,7 @@ def consolidated_state_dict(ckpt_dir: Path, tag: str, zero_stage: int, cfg=None,
         with redirect_stdout(sys.stderr):
             sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
-        states = torch_load.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt")
+        states = safe_load.load(Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt")
         sd = states["module"]
     return {k: v.float() for k, v in sd.items()}
 

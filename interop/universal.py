@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from training import checkpoint
+from training.checkpoint import layout, resume
 from training.files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]   # on PYTHONPATH of the conversion: it unpickles our classes
@@ -24,12 +24,12 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
     """The newest checkpoint's folder and tag, and whether ds_to_universal must inject the
     (empty) universal_checkpoint_info; ValueError (one line) if it cannot be converted."""
     ckpt_dir = run_dir / "checkpoints"
-    moe = checkpoint.read_run_config(run_dir)["recipe"]["model"].get("moe") or {}
+    moe = layout.read_run_config(run_dir)["recipe"]["model"].get("moe") or {}
     if moe.get("score_function") == "sigmoid" or moe.get("expert_bias_update_rate", 0) > 0:
         raise ValueError(f"--run-dir {run_dir}: the universal format keeps parameters only, and "
                          f"the routers' e_score_correction_bias (a buffer) would restart at zero: "
                          f"resume this run at its layout")
-    tag = checkpoint.latest_tag(ckpt_dir)
+    tag = layout.latest_tag(ckpt_dir)
     if tag is None:
         raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "
                          f"(train with train.save_every, or let the run finish)")
@@ -42,12 +42,12 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
         raise ValueError(f"{folder}: a ZeRO-0 checkpoint has no ZeRO optimizer shards for "
                          f"ds_to_universal; ZeRO-0 resumes at another data-parallel size without "
                          f"conversion, other layout changes need a ZeRO 1-3 checkpoint")
-    states = checkpoint._model_states_file(folder)
-    info = checkpoint.read_states(states) if states else {}
+    states = resume._model_states_file(folder)
+    info = resume.read_states(states) if states else {}
     inject = "universal_checkpoint_info" not in info
     if inject and info.get("mp_world_size", 1) > 1:   # without it, DeepSpeed merges tp x ep wrongly
         raise ValueError(f"{folder}: a tensor/expert-parallel checkpoint saved without "
-                         f"universal_checkpoint_info (before training/run_setup.py recorded it): "
+                         f"universal_checkpoint_info (before training/engine/build.py recorded it): "
                          f"resume it at its layout and convert a later checkpoint")
     return folder, tag, inject    # data-parallel only: the empty info DeepSpeed injects is right
 
@@ -55,7 +55,7 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
 def convert(folder: Path, tag: str, workers: int, inject: bool = False) -> Path:
     """Run ds_to_universal into a scratch folder, then move it into place (a failed conversion
     leaves the previous one intact)."""
-    out_root = folder.parent / checkpoint.UNIVERSAL
+    out_root = folder.parent / layout.UNIVERSAL
     scratch = out_root / f".{tag}.tmp"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -76,7 +76,7 @@ def convert(folder: Path, tag: str, workers: int, inject: bool = False) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     os.replace(scratch / tag, target)
     shutil.rmtree(scratch, ignore_errors=True)
-    atomic_write(out_root / checkpoint.LATEST_UNIVERSAL, tag)
+    atomic_write(out_root / layout.LATEST_UNIVERSAL, tag)
     for old in out_root.iterdir():
         if old.is_dir() and old.name != tag and not old.name.startswith("."):
             shutil.rmtree(old, ignore_errors=True)

@@ -51,7 +51,7 @@ import torch
 from interop import hf
 from model.config import TransformerConfig, config_from_dict
 from model.transformer import Transformer
-from training.checkpoint import read_run_config
+from training.checkpoint.layout import read_run_config
 
 # Config fields that must be the dense model's: they set the shapes of the copied weights, or
 # (rope_theta, norm_eps) what those weights compute. max_seq_len has no weight: free.

@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare(args: argparse.Namespace) -> dict:
     """Every check that needs no model: ValueError (one line, naming the fix) on bad input."""
     from model.config import config_from_dict
-    from training.checkpoint import read_run_config
+    from training.checkpoint.layout import read_run_config
     from analysis.router import select_checkpoints
 
     run_dir, text_file = Path(args.run_dir), Path(args.text_file)
@@ -70,8 +70,8 @@ def analyze(args: argparse.Namespace, job: dict) -> list[dict]:
     """One report entry per checkpoint of ``job["tags"]``, oldest first."""
     from analysis import router
     from interop.consolidate import load_run_model
-    from training import data
-    from training.recipe import recipe_from_dict
+    from training.config.recipe import recipe_from_dict
+    from training.data.batches import encode_texts
 
     resolved, cfg = job["resolved"], job["cfg"]
     seq_len = recipe_from_dict(resolved["recipe"]).seq_len
@@ -83,7 +83,7 @@ def analyze(args: argparse.Namespace, job: dict) -> list[dict]:
     for tag in job["tags"]:
         model, _, tokenizer = load_run_model(job["run_dir"], tag)
         if batches is None:
-            ids = data.encode_texts([job["text"]], tokenizer)[:args.max_tokens]
+            ids = encode_texts([job["text"]], tokenizer)[:args.max_tokens]
             batches = router.windows(torch.as_tensor(ids.astype("int64")), seq_len, batch)
             vocab = router.vocabulary(tokenizer, cfg.vocab_size)
         result = router.analyze_model(model, batches, vocab, ep, device)

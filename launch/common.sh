@@ -165,7 +165,7 @@ _run_restarting() {
 # `--signal=B:USR1@SECONDS` and `--requeue`: the batch shell stays up while ARGS (srun) runs, so
 # that when SLURM's warning arrives it can pass SIGTERM on to the ranks (srun forwards signals to
 # its tasks, torchrun to its workers). The ranks finish their step, save it and exit 75
-# (training/preemption.py); the job then requeues itself and the same command resumes.
+# (training/resilience/preemption.py); the job then requeues itself and the same command resumes.
 _run_preemptible() {
     (( DRY_RUN )) && _run "$@"
     (( MAX_RESTARTS > 0 )) && _run_restarting _preemptible_once "$@"

@@ -30,9 +30,9 @@ from planning import memory_model as mm  # noqa: E402
 from planning.estimator import (estimate, format_estimate, format_plan, launch_command, plan,  # noqa: E402
                                 step_time)
 from planning.hardware import CLUSTERS, cluster  # noqa: E402
-from training.ds_config import load_ds_config  # noqa: E402
+from training.config.ds_config import load_ds_config  # noqa: E402
 from training.hardware import GPUS  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.config.recipe import load_recipe  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

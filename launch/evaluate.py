@@ -24,14 +24,14 @@ import torch  # noqa: E402
 def evaluate_text(model, tokenizer, text: str, seq_len: int, batch_size: int = 8,
                   device: str = "cpu") -> dict:
     """Loss of ``model`` over ``text`` in windows of ``seq_len`` (see module docstring)."""
-    from training import data
+    from training.data import batches
 
-    tokens = data.encode_texts([text], tokenizer)
-    layout = data.BatchLayout(batch_size, batch_size)
+    tokens = batches.encode_texts([text], tokenizer)
+    layout = batches.BatchLayout(batch_size, batch_size)
     ce_sum, count = 0.0, 0
     model.to(device)
     with torch.no_grad():
-        for input_ids, labels in data.validation_batches(data.text_windows(tokens, seq_len), layout):
+        for input_ids, labels in batches.validation_batches(batches.text_windows(tokens, seq_len), layout):
             out = model(input_ids.to(device), labels.to(device))
             ce_sum += out.ce_sum.double().item()
             count += out.num_target_tokens.item()
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         if args.batch_size < 1:
             raise ValueError(f"--batch-size: {args.batch_size} must be >= 1")
         from interop.consolidate import load_run_model
-        from training.recipe import recipe_from_dict
+        from training.config.recipe import recipe_from_dict
         model, _, tokenizer = load_run_model(Path(args.run_dir))
         resolved = json.loads((Path(args.run_dir) / "config.json").read_text())
         seq_len = recipe_from_dict(resolved["recipe"]).seq_len

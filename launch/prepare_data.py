@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from data_pipeline.prepare import prepare_dataset
-    from data_pipeline.sources import sample_texts
+    from data_pipeline.readers import sample_texts
 
     try:
         if (args.tokenizer is None) == (args.train_tokenizer is None):

@@ -30,6 +30,7 @@ import yaml  # noqa: E402
 
 from analysis import run_plots, sweep  # noqa: E402
 from launch import train  # noqa: E402
+from training.run.preflight import prepare  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +64,7 @@ def _validate(args, runs: list[tuple[str, dict]], out: Path) -> None:
     try:
         for name, point in runs:
             try:
-                train.prepare(train.parse_args(_train_argv(args, point, out / name)))
+                prepare(train.parse_args(_train_argv(args, point, out / name)))
             except (ValueError, FileNotFoundError) as err:
                 raise ValueError(f"{name} ({' '.join(sweep.settings(point))}): {err}") from None
     finally:

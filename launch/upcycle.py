@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         from interop.upcycle import UpcycleOptions, check_out_dir, upcycle
-        from training.recipe import load_recipe
+        from training.config.recipe import load_recipe
         opts = UpcycleOptions(args.split, args.noise, args.seed, args.router_std,
                               args.shared_fraction).validate()
         check_out_dir(args.out)

@@ -2,7 +2,7 @@
 
 Defaults are the published values of each family (Llama, Switch Transformer, Mixtral); recipes
 override the sizes. Validation raises ``ValueError`` naming the field, the value and the fix.
-YAML parsing lives outside ``model/`` (see ``training/recipe.py``).
+YAML parsing lives outside ``model/`` (see ``training/config/recipe.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Memory of building the model, before ``deepspeed.initialize``: per rank, host and device apart.
 
-The build is ``training/run_setup.build_model``. Its peak per rank is the model states as built,
+The build is ``training.engine.build.build_model``. Its peak per rank is the model states as built,
 divided by the ranks that share them, plus the largest layer drawn in fp32:
 
-- ZeRO-3 (``training/sharded_build.py``): ``zero.Init`` creates each module's parameters in the
+- ZeRO-3 (``training/engine/sharded_build.py``): ``zero.Init`` creates each module's parameters in the
   training dtype and partitions them over dp as the module's constructor returns: ``params`` =
   a psi / dp, on the device (on the host under ``offload_param``). While a module is created it
   is whole at this rank's layout and broadcast from dp rank 0: ``construct`` = 2 a x the largest

@@ -230,7 +230,7 @@ def _dp_and_optimizer(shape: Shape, layout: Layout, cluster: Cluster, layers: ra
     if layout.ep_splits_batch and ep > 1 and shape.experts:
         # this trainer: the parameters outside the experts are replicated over the ep ranks of
         # a replica, their grads summed over ep (model/parallel/grad_sync.py): once per
-        # micro-batch, or once per step in its "step" mode (training.ds_config.replica_sync_mode)
+        # micro-batch, or once per step in its "step" mode (training.config.ds_config.replica_sync_mode)
         times = 1 if layout.replica_sync == "step" else m
         nbytes = times * 2 * params["dense"] * layout.grad_reduce_bytes * (ep - 1) / ep
         volumes["dense_ep_all_reduce"] = nbytes

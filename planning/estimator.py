@@ -30,11 +30,11 @@ from model.checkpointing import CheckpointPolicy
 from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
 from planning.build_memory import build_bytes
-from training.ds_config import check_layout, load_ds_config, replica_sync_mode, validate_ds_config
+from training.config.ds_config import (check_layout, load_ds_config, replica_sync_mode, validate_ds_config)
 from planning.cost_model import Layout, Shape, step_cost
 from planning.hardware import Cluster, cluster
 from training.hardware import GPUS
-from training.recipe_schema import ParallelConfig, Recipe
+from training.config.schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
 HOST_GB_PER_GPU = 128     # host memory per GPU the build may use by default: a DGX A100 (1 TB / 8)
@@ -62,7 +62,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
 
     Raises:
         ValueError: what the trainer refuses (``Recipe.dims`` on ``gpus``,
-            ``training.ds_config.check_layout``), an unknown GPU.
+            ``training.config.ds_config.check_layout``), an unknown GPU.
     """
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown: choose one of {', '.join(GPUS)}")
@@ -203,7 +203,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
     Every candidate keeps the global batch (sequences per step; default PLAN_TOKENS / seq_len)
     and uses the stock ``ds_configs/zero{stage}[_fp32].json`` with its micro-batch and
     accumulation replaced; what the trainer would refuse (the recipe's checks, ``ParallelDims``,
-    ``training.ds_config.check_layout``) is skipped. A layout whose build does not fit (the
+    ``training.config.ds_config.check_layout``) is skipped. A layout whose build does not fit (the
     host memory per node, ``host_memory_gb``; see ``estimate``) is refused with its reason,
     once per (ZeRO stage, tp, ep, pp) in ``refused``. The cluster: ``gpu`` nodes of
     ``gpus_per_node`` with ``network_gbit_s`` per node (default one 400 Gb/s NIC per GPU).

@@ -2,7 +2,7 @@
 
 Used by the out-of-memory report (``planning/oom.py``): a ``gc`` scan finds every tensor, views of
 one storage (e.g. the slices of a flat ZeRO buffer) share a row, and the names come from the
-objects the trainer handed over (``training.stepping.StepContext``): the model's parameters,
+objects the trainer handed over (``training.step.stepper.StepContext``): the model's parameters,
 their gradients and ZeRO-3 partitions, the optimizer's states and the buffers of DeepSpeed's ZeRO
 optimizer. Tensors none of these own (activations, communication buffers) stay unnamed.
 """

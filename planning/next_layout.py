@@ -24,9 +24,10 @@ import torch
 
 from planning import memory_model as mm
 from planning.estimator import GB, estimate
-from training import ds_config, preflight
+from training.config import ds_config
+from training.run import preflight
 from training.files import atomic_write
-from training.recipe import apply_overrides, recipe_from_dict
+from training.config.recipe import apply_overrides, recipe_from_dict
 
 LADDER = ("activation checkpointing full", "ZeRO stage + 1",
           "halve the micro-batch, double the accumulation",
@@ -57,7 +58,7 @@ def suggest(plan, args, device: torch.device, est: dict) -> dict:
     """Walk ``LADDER`` from this run's layout; return the rungs tried and the next command.
 
     Args:
-        plan: ``training.preflight.Plan`` of the run that ran out of memory.
+        plan: ``training.run.preflight.Plan`` of the run that ran out of memory.
         args: its parsed command line (the suggestion repeats it with the changes).
         device: this rank's device; on a CPU, offloaded states count against the same memory.
         est: ``planning.oom``'s estimate section: ``gpu_table_entry``, ``scale`` (the estimator's

@@ -11,7 +11,7 @@ The report holds:
 
 - where: step, micro-batch and phase (forward, backward, optimizer step, pipeline schedule,
   evaluation, checkpoint save or load, start-up), as the trainer last recorded them in its
-  ``training.stepping.StepContext``; a field the run had not reached yet is null;
+  ``training.step.stepper.StepContext``; a field the run had not reached yet is null;
 - the layout: world, tp/ep/pp/dp, ZeRO stage, precision, micro-batch, accumulation, sequence
   length, activation checkpointing;
 - the estimator's per-GPU breakdown for this run (``planning/estimator.estimate``) next to the
@@ -22,7 +22,7 @@ The report holds:
   buffers of DeepSpeed's ZeRO optimizer;
 - on a GPU, ``torch.cuda.memory._dump_snapshot`` (with the stack trace of every allocation when
   ``train.memory_snapshot`` switched the allocator's history on at start, see
-  ``record_memory_history``); drop the file on https://pytorch.org/memory_viz;
+  ``training.hardware.record_memory_history``); drop the file on https://pytorch.org/memory_viz;
 - the next layout to try (``planning/next_layout.py``): "fits" compares the estimate, with its
   activations and buffers scaled by how far the estimator fell short on this run (the allocator
   needed at least what it held plus the failed request), with the device's memory less
@@ -51,11 +51,10 @@ from planning import memory_model as mm
 from planning.estimator import GB, RESERVE_FRACTION, estimate
 from planning.next_layout import atomic_write, cost, gpus_per_node, suggest
 from training.hardware import GPUS
-from training.stepping import StepContext
+from training.step.stepper import StepContext
 
 EXIT_CODE = 3
 TOP_TENSORS = 20
-HISTORY_ENTRIES = 100_000        # allocator events kept by the memory history
 _CPU_OOM = re.compile(r"DefaultCPUAllocator: (can't allocate memory|not enough memory)")
 _REQUEST = re.compile(r"[Tt]ried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
 _UNITS = {"bytes": 1, "KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "TiB": 2 ** 40}
@@ -67,22 +66,12 @@ def is_out_of_memory(err: BaseException) -> bool:
         isinstance(err, RuntimeError) and bool(_CPU_OOM.search(str(err))))
 
 
-def record_memory_history(enabled: bool, device: torch.device) -> bool:
-    """Switch on the CUDA allocator's history (the stack trace of each of the last
-    ``HISTORY_ENTRIES`` allocation events) so that an OOM snapshot shows who allocated what.
-    Only on a GPU and when asked (``train.memory_snapshot``): it slows every allocation a little."""
-    if not enabled or device.type != "cuda":
-        return False
-    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
-    return True
-
-
 def report(err: BaseException, plan, args, where: StepContext | None = None) -> str:
     """Write this rank's OOM report into ``plan.run_dir``; return the one-line error message.
 
     Args:
         err: the out-of-memory exception, with its traceback.
-        plan: ``training.preflight.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
+        plan: ``training.run.preflight.Plan`` (recipe, resolved DeepSpeed config, run dir, world).
         args: the trainer's parsed arguments (to print the next command).
         where: what the trainer last recorded: step, micro-batch, phase, and the objects it
             had built (process groups, model, engine); None before it started.

@@ -139,6 +139,36 @@ class WarmLauncher:
         assert rc == 0 or not check, log.read_text()[-3000:]
         return rc
 
+    def launch_many(self, runs: list[tuple], nproc: int = 2, timeout: int = 600,
+                    steps: int = STEPS, check: bool = True) -> int:
+        """Several trainings, one after another, on the same ``nproc`` ranks: each rank is one
+        process that joins one process group and calls ``launch.train.main`` once per run (the
+        run object joins the group it finds and leaves it, ``training/run/trainer.py``). Each
+        of ``runs`` is ``(run_dir, config, extra)`` or ``(run_dir, config, extra, steps)``, the
+        arguments of ``launch``; its output goes to ``<run_dir>.log``. A run that fails stops the
+        batch: returns the exit code (the first failing rank's), asserting 0 unless ``check``."""
+        batch = []
+        for run in runs:
+            run_dir, config, extra, n = (*run, steps) if len(run) == 3 else run
+            batch.append({"argv": ["--config", config, "--run-dir", str(run_dir), "--steps", str(n),
+                                   "--set", *SMALL, *extra],
+                          "log": str(run_dir.parent / f"{run_dir.name}.log")})
+        request = {"runs": batch, "nproc": nproc, "env": env(), "log": batch[0]["log"],
+                   "stderr": batch[0]["log"], "timeout": timeout}
+        rc = self._ask(request)
+        if check and rc != 0:
+            failed = [Path(b["log"]) for b in batch if Path(b["log"]).is_file()][-1]
+            raise AssertionError(f"exit code {rc}; {failed}:\n" + failed.read_text()[-3000:])
+        return rc
+
+    def script(self, script: str, args: list[str], log: Path, nproc: int = 2, timeout: int = 300,
+               extra_env: dict | None = None) -> None:
+        """``script`` (a test wrapper of ``launch/train.py``) with ``args`` on ``nproc`` ranks, as
+        ``python -m torch.distributed.run --nproc_per_node nproc script args`` runs it: asserts
+        exit code 0, with the end of ``log`` (the ranks' output) in the message otherwise."""
+        rc = self.run([script, *args], log, nproc, timeout, extra_env)
+        assert rc == 0, f"exit code {rc}:\n" + (log.read_text()[-4000:] if log.is_file() else "")
+
     def run(self, argv: list[str], log: Path, nproc: int = 1, timeout: int = 300,
             extra_env: dict | None = None, stderr: Path | None = None) -> int:
         """``argv`` (a script relative to the repository, then its arguments) on ``nproc``
@@ -146,6 +176,9 @@ class WarmLauncher:
         the exit code."""
         request = {"argv": list(argv), "nproc": nproc, "env": {**env(), **(extra_env or {})},
                    "log": str(log), "stderr": str(stderr or log), "timeout": timeout}
+        return self._ask(request)
+
+    def _ask(self, request: dict) -> int:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         reply = self.proc.stdout.readline()
@@ -153,6 +186,36 @@ class WarmLauncher:
         reply = json.loads(reply)
         self.cpu_s = reply["cpu_s"]
         return reply["rc"]
+
+
+_SHARED: list[WarmLauncher] = []
+
+
+def shared_launcher() -> WarmLauncher:
+    """This pytest process's one warm launcher (the ``warm_launcher`` fixture), started on first
+    use and stopped when the process exits."""
+    if not _SHARED:
+        import atexit
+        _SHARED.append(WarmLauncher())
+        atexit.register(_SHARED[0].__exit__)
+    return _SHARED[0]
+
+
+def python(script: str, *args: str, timeout: int = 300, extra_env: dict | None = None,
+           check: bool = False) -> subprocess.CompletedProcess:
+    """``python script args`` (a repository script, from the repository root) as a user runs it,
+    on a process forked from the warm launcher's server (libraries imported once): its exit code,
+    stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)`` returns them.
+    For tools whose subject is what they compute and print, not which modules they import."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        rc = shared_launcher().run([script, *args], out, 1, timeout, extra_env, stderr=err)
+        done = subprocess.CompletedProcess([sys.executable, script, *args], rc,
+                                           out.read_text() if out.is_file() else "",
+                                           err.read_text() if err.is_file() else "")
+    assert rc == 0 or not check, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
 
 
 def _torchrun_env(rank: int, nproc: int, port: int) -> dict:
@@ -185,6 +248,8 @@ def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
         random.seed()                              # a fresh process's entropy, not the server's
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
+        if "runs" in request:
+            os._exit(_run_many(request))
         script = str(REPO / request["argv"][0])
         sys.argv = [script, *request["argv"][1:]]
         sys.path[0] = os.path.dirname(script)      # as ``python script`` sets it
@@ -193,6 +258,46 @@ def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
         os._exit(1)
     runpy.run_path(script, run_name="__main__")
     sys.exit(0)
+
+
+def _run_many(request: dict) -> int:
+    """In a forked rank of ``WarmLauncher.launch_many``: the process group, then each run's
+    ``launch.train.main`` with its output in its log and torch's global RNG as a fresh process
+    has it; the first non-zero exit code ends the batch. Returns the code to exit with."""
+    import torch
+    import torch.distributed as dist
+
+    from launch import train
+    sys.path[0] = str(REPO / "launch")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("gloo")
+    fresh_seed = torch.initial_seed()
+    for run in request["runs"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(run["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        torch.manual_seed(fresh_seed)
+        sys.argv = [str(REPO / "launch" / "train.py"), *run["argv"]]
+        try:
+            code = train.main(run["argv"])
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if code:
+            return code
+    return 0
 
 
 def _serve() -> None:

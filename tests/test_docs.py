@@ -16,11 +16,13 @@ CPU run whole:
   word of a ``-k`` names part of a test;
 - synopsis lines with placeholders (``DS_JSON``): the entry point's ``--help``.
 
-A command written the same way on several pages runs once. The rest (training runs,
+The Python ones run on a process forked from the warm launcher's server (``tests.runs.python``:
+the same command line and working directory, the libraries imported once). A command written the
+same way on several pages runs once. The rest (training runs,
 ``to_universal.py``, the other benchmarks and the studies: a minute to hours each; commands that
 need an HF checkpoint or a trained dense run) are parsed only: the entry point's own
 argument parser reads the line (an option it lacks fails the test), and a ``launch/train.py`` line
-also goes through ``train.prepare``, the trainer's whole up-front validation (recipe, DeepSpeed
+also goes through ``preflight.prepare``, the trainer's whole up-front validation (recipe, DeepSpeed
 JSON, layout, data source). ``docs/README.md`` states the same rule for readers.
 
 Every link resolves, to a file that exists and, for ``page.md#anchor``, to a heading of that page
@@ -43,7 +45,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.test_launch_scripts import _hostfile, _slurm_env
-from tests.runs import SMALL
+from tests.runs import SMALL, python
 from tests.runs import env as _run_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,9 +135,9 @@ def finished_run(tmp_path_factory) -> Path:
     """A tiny Mixtral run (the default recipe at test size, fp32 ZeRO-1, 2 steps, one checkpoint):
     what ``runs/tiny-mixtral`` is to the commands that read a run."""
     run = tmp_path_factory.mktemp("docs") / "tiny-mixtral"
-    out = _run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                "--run-dir", str(run), "--steps", "2", "--set", *SMALL, "eval.every=0",
-                "model.moe.router_jitter=0"])         # HF Mixtral has no router-only jitter
+    out = python("launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run),
+                 "--steps", "2", "--set", *SMALL, "eval.every=0",
+                 "model.moe.router_jitter=0")         # HF Mixtral has no router-only jitter
     assert out.returncode == 0, out.stderr[-3000:]
     return run
 
@@ -157,7 +159,7 @@ def _run_reader(script: str, args: list[str], tmp_path: Path, finished: Path) ->
             word = str(text)
         swapped.append(word)
         value_of = word if word.startswith("--") else None
-    out = _run([sys.executable, script, *swapped])
+    out = python(script, *swapped)
     assert out.returncode == 0, f"{script} {swapped}: {out.stderr[-3000:]}"
 
 
@@ -172,7 +174,7 @@ def _check_python(monkeypatch, tmp_path, script: str, args: list[str], env: dict
     if (script, *args) in _PASSED:
         return
     if script in QUICK_BENCHMARKS:
-        out = _run([sys.executable, script, *args])
+        out = python(script, *args)
         assert out.returncode == 0, f"{script} {args}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
         _PASSED.add((script, *args))
         return
@@ -188,16 +190,16 @@ def _check_python(monkeypatch, tmp_path, script: str, args: list[str], env: dict
     if missing:
         return
     if script == "launch/train.py":                          # the trainer's full up-front check
-        from launch import train
+        from training.run.preflight import prepare
         monkeypatch.setenv("WORLD_SIZE", env.get("WORLD_SIZE", "1"))
         namespace.run_dir = str(tmp_path / "run")
         try:
-            train.prepare(namespace)
+            prepare(namespace)
         except ValueError as err:
             message = str(err)
             if message.startswith("data.source entry"):    # a real-scale recipe's own corpus
                 namespace.set = [*namespace.set, "data.source=stdlib"]
-                train.prepare(namespace)
+                prepare(namespace)
             elif message.startswith("fp16.enabled") and "needs a GPU" in message:
                 _check_refused_on_cpu(args, tmp_path)     # documented as refused here
             else:
@@ -212,7 +214,7 @@ def _check_python(monkeypatch, tmp_path, script: str, args: list[str], env: dict
 def _check_refused_on_cpu(args: list[str], tmp_path: Path) -> None:
     """The trainer as written: exit code 2, one ``error:`` line, no traceback, nothing written."""
     run_dir = tmp_path / "refused"
-    out = _run([sys.executable, "launch/train.py", *args, "--run-dir", str(run_dir)])
+    out = python("launch/train.py", *args, "--run-dir", str(run_dir))
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert [x for x in out.stderr.splitlines() if x.startswith("error:")] == [out.stderr.strip().splitlines()[-1]]

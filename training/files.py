@@ -6,6 +6,9 @@ import os
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+CACHE_DIR = REPO / ".cache"         # the tokenizer, prepared raw sources, start-up markers
+
 
 def atomic_write(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and a rename (atomic on one

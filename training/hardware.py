@@ -1,5 +1,5 @@
-"""GPU table and FLOP accounting, shared by the trainer's MFU and the memory estimator, and the
-CPU's bf16 support.
+"""GPU table and FLOP accounting, shared by the trainer's MFU and the memory estimator, the
+CPU's bf16 support, and the CUDA allocator's history for the out-of-memory report.
 
 Peaks are dense (no 2:4 sparsity) bf16 tensor-core figures from NVIDIA's datasheets; H200 has
 H100's compute with more and faster memory.
@@ -115,3 +115,18 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.machine()
+
+
+HISTORY_ENTRIES = 100_000        # allocator events kept by the memory history
+
+
+def record_memory_history(enabled: bool, device) -> bool:
+    """Switch on the CUDA allocator's history (the stack trace of each of the last
+    ``HISTORY_ENTRIES`` allocation events) so that an OOM snapshot (``planning/oom.py``) shows who
+    allocated what. Only on a GPU and when asked (``train.memory_snapshot``): it slows every
+    allocation a little."""
+    if not enabled or device.type != "cuda":
+        return False
+    import torch
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+    return True

@@ -117,7 +117,7 @@ class Tracker:
 
     def log(self, row: dict, extra: dict | None = None) -> None:
         """Append one row to metrics.jsonl; W&B also gets ``extra`` (each MoE layer's router
-        statistics, ``moe/layer{i}/...``, see ``StatsLayout.moe_metrics`` in training/step_stats.py)."""
+        statistics, ``moe/layer{i}/...``, see ``StatsLayout.moe_metrics`` in training/step/stats.py)."""
         if not self.enabled:
             return
         if extra and self.router_every and row["step"] % self.router_every == 0:

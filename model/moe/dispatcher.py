@@ -15,7 +15,7 @@ sizes) needs. Worked example, T=4 tokens, k=2, E=3, capacity 2::
     with capacity 2, expert 0 keeps t0, t1 (first choices first) and drops t2's and t3's slots:
         token_idx = [0, 1 | 0, 2 | 3, 1 || 2, 3]   (kept, by expert 0 | 1 | 2 || dropped)
         slot_idx  = [0, 0 | 1, 1 | 0, 1 || 0, 1]
-        tokens_per_expert (kept) = [2, 2, 2]
+        kept_per_expert = [2, 2, 2]
 
 First choices outrank second choices (GShard/Megatron "position" policy), so a capacity drop never
 removes a token's first expert while another token's second expert is kept.
@@ -42,13 +42,13 @@ class DispatchPlan:
 
     token_idx: torch.Tensor           # (k*T,) int64 source token of each row
     slot_idx: torch.Tensor            # (k*T,) int64 which of the token's k choices the row is
-    tokens_per_expert: torch.Tensor   # (E,) int64 kept rows per expert (sums to N <= k*T)
+    kept_per_expert: torch.Tensor     # (E,) int64 kept rows per expert (sums to N <= k*T)
     routed_per_expert: torch.Tensor   # (E,) int64 assignments before capacity (sums to k*T)
     row_kept: torch.Tensor | None     # (k*T,) bool, True for the first N rows; None: dropless
 
     @property
     def num_dropped(self) -> torch.Tensor:
-        return self.routed_per_expert.sum() - self.tokens_per_expert.sum()
+        return self.routed_per_expert.sum() - self.kept_per_expert.sum()
 
 
 def plan_dispatch(expert_idx: torch.Tensor, num_experts: int,
@@ -82,7 +82,7 @@ def plan_dispatch(expert_idx: torch.Tensor, num_experts: int,
         order = torch.empty_like(order).scatter_(0, dest, order)
         row_kept = rows < num_kept
     return DispatchPlan(token_idx=order % num_tokens, slot_idx=order // num_tokens,
-                        tokens_per_expert=kept, routed_per_expert=routed, row_kept=row_kept)
+                        kept_per_expert=kept, routed_per_expert=routed, row_kept=row_kept)
 
 
 def permute(x: torch.Tensor, plan: DispatchPlan, num_rows: int | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """SwiGLU experts stored as one stacked weight per projection, run as grouped GEMMs.
 
-Rows arrive grouped by expert (see ``dispatcher.py``); ``tokens_per_expert`` gives the group
+Rows arrive grouped by expert (see ``dispatcher.py``); ``rows_per_expert`` gives the group
 sizes. ``torch.nn.functional.grouped_mm`` multiplies each group by its own expert's matrix in one
 call, with no Python loop over experts and no padding of every expert to the busiest one, reading
 the group offsets on the device. Elsewhere a per-expert loop computes the same result from host
@@ -53,8 +53,8 @@ class ExpertGroups:
     their int32 offsets for the kernel (one cumsum per call), and host sizes for the loop, copied
     at most once per call (never on the kernel path), or handed in by a caller that has them."""
 
-    def __init__(self, tokens_per_expert: torch.Tensor, sizes: list[int] | None = None):
-        self.counts, self._sizes = tokens_per_expert, sizes
+    def __init__(self, rows_per_expert: torch.Tensor, sizes: list[int] | None = None):
+        self.counts, self._sizes = rows_per_expert, sizes
 
     @functools.cached_property
     def offsets(self) -> torch.Tensor:
@@ -67,20 +67,20 @@ class ExpertGroups:
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor,
-               tokens_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
+               rows_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
     """Grouped matmul: rows of group e are multiplied by ``w[e]``.
 
     Args:
         x: (N, K) rows grouped by expert; rows past the last group (dropped by a capacity) are
             not read, and their output rows are unspecified.
         w: (E, K, M) one matrix per expert.
-        tokens_per_expert: (E,) group sizes, summing to at most N (or their ``ExpertGroups``).
+        rows_per_expert: (E,) group sizes, summing to at most N (or their ``ExpertGroups``).
 
     Returns:
         (N, M).
     """
-    groups = (tokens_per_expert if isinstance(tokens_per_expert, ExpertGroups)
-              else ExpertGroups(tokens_per_expert))
+    groups = (rows_per_expert if isinstance(rows_per_expert, ExpertGroups)
+              else ExpertGroups(rows_per_expert))
     if torch.compiler.is_compiling():       # the choice below runs inside the op, not traced
         return torch.ops.moe.grouped_mm(x, w, groups.counts)
     # The CPU kernel wants 16-byte aligned rows: a refusal of one shape says nothing of the others.
@@ -116,11 +116,11 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def _looped_mm(x: torch.Tensor, w: torch.Tensor,
-               tokens_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
+               rows_per_expert: torch.Tensor | ExpertGroups) -> torch.Tensor:
     """Reference/fallback grouped matmul: one matmul per expert, from host group sizes (one
     device-to-host copy per layer call unless the caller handed them in)."""
-    groups = (tokens_per_expert if isinstance(tokens_per_expert, ExpertGroups)
-              else ExpertGroups(tokens_per_expert))
+    groups = (rows_per_expert if isinstance(rows_per_expert, ExpertGroups)
+              else ExpertGroups(rows_per_expert))
     sizes = groups.sizes()
     rest = x.shape[0] - sum(sizes)                  # rows dropped by a capacity, after the groups
     chunks = torch.split(x, sizes + [rest], dim=0)
@@ -223,13 +223,13 @@ class GroupedExperts(nn.Module):
             setattr(self, name, shard_param(p, g, full, [(0, self.expert_ids), (dim, inner)],
                                             sharded, blocks={0: 1}))
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor,
+    def forward(self, x: torch.Tensor, rows_per_expert: torch.Tensor,
                 sizes: list[int] | None = None) -> torch.Tensor:
         """(N, H) rows grouped by local expert -> (N, H) partial sums over tp: the caller passes
         the input through ``copy_to_region`` and sums the output over tp (``MoELayer`` does both
-        on the T tokens rather than on the k*T rows). ``sizes``: ``tokens_per_expert`` on the
+        on the T tokens rather than on the k*T rows). ``sizes``: ``rows_per_expert`` on the
         host, when the caller already has it (the per-expert loop then copies nothing)."""
-        groups = ExpertGroups(tokens_per_expert, sizes)
+        groups = ExpertGroups(rows_per_expert, sizes)
         gate = grouped_mm(x, self.gate_proj, groups)                # (N, I/tp)
         up = grouped_mm(x, self.up_proj, groups)                    # (N, I/tp)
         return grouped_mm(F.silu(gate) * up, self.down_proj, groups)   # (N, H) partial

@@ -38,14 +38,14 @@ class MoEAux:
     mean_prob: torch.Tensor           # (E,) this rank's share of the mean router probability
     balance_scale: float              # E / (k*T), T the micro-batch's tokens
     z_loss: torch.Tensor              # scalar
-    tokens_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
+    routed_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
     dropped_frac: torch.Tensor        # scalar, dropped assignments / (k*T)
     entropy: torch.Tensor             # scalar, mean router entropy in nats
     step_counts: "StepCounts | None" = None   # the layer's running counts (global-batch, training)
 
     @property
     def load_max_over_mean(self) -> torch.Tensor:
-        counts = self.tokens_per_expert.float()
+        counts = self.routed_per_expert.float()
         return counts.max() / counts.mean().clamp_min(1e-9)
 
 
@@ -156,7 +156,7 @@ class MoELayer(nn.Module):
             out = self._routed_over_ep(x, weights, plan)                    # (T, H) partial over tp
         else:
             rows = dispatcher.permute(x, plan)                              # (k*T, H) dropped last
-            y = self._experts(rows, plan.tokens_per_expert)                 # (k*T, H) partial
+            y = self._experts(rows, plan.kept_per_expert)                 # (k*T, H) partial
             out = dispatcher.unpermute(y, weights, plan, num_tokens)        # (T, H) partial over tp
         if self.shared_experts is not None:                                 # summed over tp with out
             shared = self.shared_experts(x)                                 # (T, H) partial over tp
@@ -170,7 +170,7 @@ class MoELayer(nn.Module):
             mean_prob=routing.probs.sum(dim=0) / total_tokens,
             balance_scale=moe.num_experts / (moe.top_k * total_tokens),
             z_loss=losses.router_z_loss(routing.logits, total_tokens),
-            tokens_per_expert=routed.detach(),
+            routed_per_expert=routed.detach(),
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
             entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach(),
             step_counts=self.step_counts if moe.global_balance and self.training else None)
@@ -191,7 +191,7 @@ class MoELayer(nn.Module):
     def _routed_over_ep(self, x: torch.Tensor, weights: torch.Tensor,
                         plan: dispatcher.DispatchPlan) -> torch.Tensor:
         """(T, H) tokens -> (T, H) combined expert outputs, through the exchange (``_exchange``)."""
-        splits = self._exchange_counts(plan.tokens_per_expert)              # the one host copy
+        splits = self._exchange_counts(plan.kept_per_expert)              # the one host copy
         rows = dispatcher.permute(x, plan, splits.num_send)                 # (N, H) kept rows
         y = self._exchange(rows, splits)                                    # (N, H) partial over tp
         return dispatcher.unpermute(y, weights, plan, x.shape[0])           # (T, H)
@@ -253,7 +253,7 @@ def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = N
     """
     groups = groups or ParallelGroups()
     group, replicas = (groups.batch_group, groups.dp) if global_batch else (groups.ep_group, 1)
-    counts = torch.stack([a.tokens_per_expert for a in auxes])              # (L, E) this rank's
+    counts = torch.stack([a.routed_per_expert for a in auxes])              # (L, E) this rank's
     counts = comm.all_reduce_sum(counts, group).to(auxes[0].mean_prob.dtype) / replicas
     if global_batch:
         counts = torch.stack([c if a.step_counts is None else a.step_counts.add(c)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 
-def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
+def load_balancing_loss(probs: torch.Tensor, routed_per_expert: torch.Tensor,
                         top_k: int, total_tokens: int | None = None) -> torch.Tensor:
     """Switch/Megatron load-balancing loss, 1.0 at perfect balance.
 
@@ -20,16 +20,16 @@ def load_balancing_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor,
 
     Args:
         probs: (T, E) fp32 router probabilities.
-        tokens_per_expert: (E,) routed assignments per expert (sums to k*T).
+        routed_per_expert: (E,) routed assignments per expert (sums to k*T).
         top_k: k.
         total_tokens: when ``probs`` holds one rank's share of a larger batch (expert
-            parallelism), the batch's token count; ``tokens_per_expert`` must then be the
+            parallelism), the batch's token count; ``routed_per_expert`` must then be the
             batch's counts. The result is this rank's additive share of the batch's loss.
     """
     num_tokens, num_experts = probs.shape
     total = total_tokens or num_tokens
     mean_prob = probs.sum(dim=0) / total                                        # (E,)
-    counts = tokens_per_expert.to(probs.dtype)
+    counts = routed_per_expert.to(probs.dtype)
     return num_experts / (top_k * total) * torch.sum(counts * mean_prob)
 
 

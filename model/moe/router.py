@@ -120,7 +120,7 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
       forward and its recomputation, and a seed set per micro-batch would have changed by then
       under the pipeline's 1F1B schedule (a later micro-batch's forward runs before an earlier
       one's recomputation). The model cannot verify the seeding without a collective per
-      layer; ``comm.replica_divergence`` of the layers' ``MoEAux.tokens_per_expert`` over tp
+      layer; ``comm.replica_divergence`` of the layers' ``MoEAux.routed_per_expert`` over tp
       does, when the trainer asks.
     * Layout: each sample's stream depends only on its index in the micro-batch, so with the
       seed also independent of the ep rank, an ep rank draws for its samples exactly what the

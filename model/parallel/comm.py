@@ -45,7 +45,7 @@ def replica_divergence(tensors, group=None) -> torch.Tensor:
     """How far apart the copies of ``tensors`` that should be identical over ``group`` are, e.g.
     the router weights over tp (``[m.gate.weight for m in model.modules() if isinstance(m,
     MoELayer)]``), whose routing must agree on every tp rank, or the routing itself (each MoE
-    layer's ``MoEAux.tokens_per_expert``).
+    layer's ``MoEAux.routed_per_expert``).
 
     Communicates over ``group`` with one all-reduce (MAX) of a (2, 2n) fp64 fingerprint (each
     tensor's sum and sum of squares, and their negatives), never the tensors themselves. Returns a

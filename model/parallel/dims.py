@@ -3,10 +3,10 @@
     dims = ParallelDims(tp=2, ep=4, pp=1, sp=True, world_size=64, model=cfg, seq_len=4096)
     dims.dp                                    # 8: the ranks left for data parallelism
 
-Every check of a degree lives here: the recipe (``training/recipe_schema.py``), the process groups
+Every check of a degree lives here: the recipe (``training/config/schema.py``), the process groups
 (``model/parallel/groups.py``), the memory planner and the out-of-memory ladder all build one. The
 checks that also need the DeepSpeed JSON (micro-batch vs ep, ZeRO stage vs pipelines) are
-``training.ds_config.check_layout``. Plain Python: this module imports no torch.
+``training.config.ds_config.check_layout``. Plain Python: this module imports no torch.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def fill_shards(module: nn.Module, shard_for, write=None) -> None:
         shard_for: (parameter name, parameter) -> this rank's fp32 shard.
         write: (parameter, shard) -> None. Default: copy the shard into the parameter. A build
             whose parameters are already partitioned passes one that keeps only its partition
-            (``training/sharded_build.py``, ZeRO-3).
+            (``training/engine/sharded_build.py``, ZeRO-3).
     """
     for name, p in module.named_parameters():
         (write or _copy_into)(p, shard_for(name, p))

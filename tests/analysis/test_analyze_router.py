@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from analysis import router
 from launch import analyze_router
-from tests.runs import REPO, env, launch
+from tests.runs import REPO, python, shared_launcher
 
 TEXT = REPO / "model" / "moe" / "router.py"     # Python source, like the training corpus
 MAX_TOKENS = 1500
@@ -32,14 +31,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/analyze_router.py", *args], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return python("launch/analyze_router.py", *args)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("router")
-    launch(tmp / "mixtral", "ds_configs/zero1_fp32.json", nproc=1, extra=["train.save_every=5"])
+    shared_launcher().launch(tmp / "mixtral", "ds_configs/zero1_fp32.json", nproc=1, extra=["train.save_every=5"])
     return tmp / "mixtral"
 
 
@@ -81,10 +79,10 @@ def test_one_entry_per_checkpoint_and_counts_sum_to_k_tokens(report):
 
 def test_counts_and_entropy_equal_an_independent_recount(run, report):
     from interop.consolidate import load_run_model
-    from training import data
+    from training.data import batches
 
     model, cfg, tokenizer = load_run_model(run, "step00000010")
-    ids = torch.as_tensor(data.encode_texts([TEXT.read_text()], tokenizer)[:MAX_TOKENS].astype("int64"))
+    ids = torch.as_tensor(batches.encode_texts([TEXT.read_text()], tokenizer)[:MAX_TOKENS].astype("int64"))
     inputs = {}
     hooks = [layer.mlp.gate.register_forward_pre_hook(
         lambda m, args, i=i: inputs.setdefault(i, []).append(args[0])) for i, layer in enumerate(model.layers)]

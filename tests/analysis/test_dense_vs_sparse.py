@@ -22,7 +22,7 @@ import pytest
 from analysis import dense_vs_sparse as dvs
 from tests.runs import REPO, env
 from training.hardware import train_flops_per_token
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 STEPS = 3
 TOKENS_PER_STEP = 8 * 128          # ds_configs/zero1_fp32.json micro-batch 8 x the recipes' seq_len

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from analysis import run_plots
-from tests.runs import REPO, SMALL, env, launch, rows
+from tests.runs import SMALL, python, rows, shared_launcher
 
 TOKENS_PER_STEP = 8 * 64          # tests.runs.SMALL: micro-batch 8 x 64 tokens, one rank
 
@@ -25,19 +24,16 @@ TOKENS_PER_STEP = 8 * 64          # tests.runs.SMALL: micro-batch 8 x 64 tokens,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plots")
-    launch(tmp / "mixtral", "ds_configs/zero1_fp32.json", nproc=1)
+    shared_launcher().launch(tmp / "mixtral", "ds_configs/zero1_fp32.json", nproc=1)
     dense = [s for s in SMALL if not s.startswith("model.moe.")]
-    proc = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                           "--recipe", "recipes/tiny_dense.yaml", "--run-dir", str(tmp / "dense"),
-                           "--steps", "10", "--set", *dense], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = python("launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--recipe",
+                  "recipes/tiny_dense.yaml", "--run-dir", str(tmp / "dense"), "--steps", "10", "--set", *dense)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
 
 
 def _plot(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "launch/plot_run.py", *args], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return python("launch/plot_run.py", *args)
 
 
 def test_metrics_rows_carry_each_layers_router_counts(runs):

@@ -96,7 +96,8 @@ def test_trainer_set_reaches_deepspeed_keys(tmp_path):
     and a key path through a value is one line, exit 2."""
     sys.path.insert(0, str(REPO))
     from launch import train
-    plan = train.prepare(train.parse_args(["--config", CONFIG, "--run-dir", str(tmp_path / "r"),
+    from training.run.preflight import prepare
+    plan = prepare(train.parse_args(["--config", CONFIG, "--run-dir", str(tmp_path / "r"),
                                            "--set", "ds.optimizer.params.lr=1e-3",
                                            "ds.zero_optimization.reduce_bucket_size=5e7"]))
     assert plan.ds["optimizer"]["params"]["lr"] == 0.001

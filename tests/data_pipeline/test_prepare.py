@@ -20,7 +20,8 @@ from data_pipeline import encoder as encoder_module
 from data_pipeline import prepare
 from data_pipeline.indexed import IndexedDataset, open_prepared
 from data_pipeline.prepare import prepare_dataset
-from data_pipeline.sources import STDLIB, plan_shards, sample_texts, stdlib_files, unit_hash
+from data_pipeline.readers import sample_texts
+from data_pipeline.sources import STDLIB, plan_shards, stdlib_files, unit_hash
 from tests.data_pipeline import megatron_indexed, save_tokenizer, text, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

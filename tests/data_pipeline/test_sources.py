@@ -8,8 +8,8 @@ import json
 import pytest
 
 from data_pipeline import sources
-from data_pipeline.readers import ShardReader
-from data_pipeline.sources import Fields, plan_shards, sample_texts, unit_hash
+from data_pipeline.readers import ShardReader, check_fields, sample_texts
+from data_pipeline.sources import Fields, plan_shards, unit_hash
 from tests.data_pipeline import text, write_jsonl
 
 
@@ -92,10 +92,10 @@ def test_bad_inputs_are_one_line(tmp_path, monkeypatch):
     ]
     for inputs, match in cases:
         with pytest.raises(ValueError, match=match) as info:
-            plan_shards(inputs, "text", fields=fields, check_fields=True)    # caught when planned
+            check_fields(plan_shards(inputs, "text", fields=fields), "text", fields)    # caught when planned
         assert "\n" not in str(info.value), inputs
     with pytest.raises(ValueError, match=r"data\.text_field \('body'\) is missing from .*num\.jsonl:1"):
-        plan_shards([str(tmp_path / "num.jsonl")], "body", fields=fields, check_fields=True)
+        check_fields(plan_shards([str(tmp_path / "num.jsonl")], "body", fields=fields), "body", fields)
     # Without the check, planning opens no file; the reader says the same line.
     plans = plan_shards([str(tmp_path / "num.jsonl")], "text", fields=fields)
     with pytest.raises(ValueError, match=r"data\.text_field \('text'\) in .*num\.jsonl:1 is int"):

@@ -1,5 +1,5 @@
 """data_pipeline/tokenizer.py: the byte-level BPE trained once and cached (safe under concurrent
-ranks), a local HF tokenizer folder, and their one-line errors; training/data.py's in-memory
+ranks), a local HF tokenizer folder, and their one-line errors; training/data/batches.py's in-memory
 ``encode_texts``."""
 
 import json
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from data_pipeline.sources import STDLIB, sample_texts
+from data_pipeline.readers import sample_texts
+from data_pipeline.sources import STDLIB
 from data_pipeline.tokenizer import EOS_TOKEN, load_local_tokenizer, load_tokenizer, tokenizer_fingerprint
-from training.data import encode_texts
+from training.data.batches import encode_texts
 
 
 @pytest.fixture(scope="module")

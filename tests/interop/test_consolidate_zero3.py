@@ -1,7 +1,7 @@
 """ZeRO-3 checkpoints of tensor/expert-parallel runs consolidate offline into the control's model.
 
 Three runs of the tiny Mixtral on 4 gloo ranks under ZeRO-3 fp32, each partitioned as it is
-built (``training/sharded_build.py``): TP2 (dp 2: each model-parallel rank's weights are split
+built (``training/engine/sharded_build.py``): TP2 (dp 2: each model-parallel rank's weights are split
 over two optimizer files), EP2 (dp 2) and TP2 x EP2 (dp 1), against a single-process ZeRO-2
 control on the same micro-batches. ``launch/evaluate.py`` and ``launch/convert_hf.py
 export`` on each run (``interop/consolidate.py``: ``zero_to_fp32`` per model-parallel rank, then
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.runs import WEIGHT_ATOL, WarmLauncher, ds_variant, rows
+from tests.runs import WEIGHT_ATOL, ds_variant, rows
 
 STEPS = 4
 NO_JITTER = ["model.moe.router_jitter=0.0"]
@@ -36,20 +36,21 @@ LAYOUTS = {"tp2": (["parallel.tensor_parallel_size=2"], 1),
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(warm_launcher, tmp_path_factory):
     """The router losses are per micro-batch: every run, the control included, steps on the same
     two micro-batches of 4 sequences (over dp 2, or accumulated twice on dp 1)."""
     tmp = tmp_path_factory.mktemp("zero3")
     out = {"control": tmp / "control"}
     control = ds_variant(tmp, "zero2_fp32", train_micro_batch_size_per_gpu=4,
                          gradient_accumulation_steps=2)
-    with WarmLauncher() as warm:         # the libraries imported once, not 13 times
-        warm.launch(out["control"], control, nproc=1, steps=STEPS, extra=NO_JITTER)
-        for name, (extra, accumulation) in LAYOUTS.items():
-            out[name] = tmp / name
-            ds = ds_variant(tmp, "zero3_fp32", train_micro_batch_size_per_gpu=4,
-                            gradient_accumulation_steps=accumulation)
-            warm.launch(out[name], ds, nproc=4, steps=STEPS, extra=NO_JITTER + extra)
+    warm_launcher.launch(out["control"], control, nproc=1, steps=STEPS, extra=NO_JITTER)
+    batch = []                   # the 4-rank runs one after another in one process group
+    for name, (extra, accumulation) in LAYOUTS.items():
+        out[name] = tmp / name
+        ds = ds_variant(tmp, "zero3_fp32", train_micro_batch_size_per_gpu=4,
+                        gradient_accumulation_steps=accumulation)
+        batch.append((out[name], ds, NO_JITTER + extra, STEPS))
+    warm_launcher.launch_many(batch, nproc=4)
     return out
 
 

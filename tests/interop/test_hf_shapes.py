@@ -10,7 +10,7 @@ import pytest
 from interop import hf
 from model.transformer import Transformer
 from tests.runs import REPO
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 
 @pytest.mark.parametrize("recipe", ["tiny_dense", "tiny_mixtral", "tiny_qwen3_moe",

@@ -12,8 +12,6 @@ for 3 optimizer steps, ``convert_hf.py export`` of the run:
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +24,7 @@ from interop import hf as hf_interop
 from interop.consolidate import load_run_model
 from tests.interop.test_convert_hf import _randomize, _tiny_tokenizer
 from tests.interop.test_hf_qwen_moe import HF_COMMON, HF_KINDS
-from tests.runs import REPO, env
+from tests.runs import REPO, python
 
 TOL = 1e-5
 EXTRA = {"qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, norm_topk_prob=True),
@@ -50,11 +48,9 @@ class _HFAsOurs(torch.nn.Module):
                                num_target_tokens=keep.sum())
 
 
-def _run(*args):
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
+def _run(script, *args):
+    """``python script args`` as a user runs it (forked from the warm launcher's server)."""
+    return python(script, *args, timeout=600, check=True).stdout
 
 
 @pytest.mark.parametrize("kind", sorted(HF_KINDS))

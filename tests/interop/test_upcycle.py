@@ -32,8 +32,8 @@ from interop import hf
 from interop.upcycle import UpcycleOptions, exact_at_init, upcycle_state_dict
 from launch import upcycle as upcycle_cli
 from model import Transformer
-from tests.runs import REPO, SMALL, env, launch, rows
-from training.recipe import load_recipe
+from tests.runs import REPO, SMALL, env, python, rows, shared_launcher
+from training.config.recipe import load_recipe
 
 TOL = 1e-5
 # Small enough for milliseconds per forward; init_std 0.05 makes the MLPs a large share of the
@@ -238,7 +238,7 @@ def test_an_init_dir_upcycles_into_one_the_trainer_accepts(dense_init, tmp_path,
                              "--out", str(out), "--split", "2", "--set", *sets]) == 0
     assert "computes the dense model's function" in capsys.readouterr().out
     recipe = load_recipe(REPO / "recipes" / "tiny_mixtral.yaml", sets)
-    from training.preflight import check_init_from
+    from training.run.preflight import check_init_from
     assert check_init_from(str(out), recipe) == out          # train.py --init-from's own check
     cfg, sd, tokenizer = hf.load_init_dir(out)
     assert tokenizer is None and sorted(p.name for p in out.iterdir()) == [
@@ -271,10 +271,9 @@ DENSE_SMALL = [s for s in SMALL if not s.startswith("model.moe.")]
 
 
 def _train_dense(run_dir: Path, steps: int, extra=()) -> None:
-    proc = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                           "--recipe", "recipes/tiny_dense.yaml", "--run-dir", str(run_dir),
-                           "--steps", str(steps), "--set", *DENSE_SMALL, *extra], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=300)
+    proc = python("launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--recipe",
+                  "recipes/tiny_dense.yaml", "--run-dir", str(run_dir), "--steps", str(steps), "--set",
+                  *DENSE_SMALL, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -283,9 +282,8 @@ def test_train_dense_upcycle_and_train_the_moe(tmp_path):
     _train_dense(tmp_path / "dense", 30)
     # 2. Upcycle it into tiny_mixtral at the same sizes (SMALL's ffn 64 = the dense one: copies).
     out = tmp_path / "moe_init"
-    proc = subprocess.run([sys.executable, "launch/upcycle.py", "--from", str(tmp_path / "dense"),
-                           "--recipe", "recipes/tiny_mixtral.yaml", "--out", str(out), "--set", *SMALL],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=120)
+    proc = python("launch/upcycle.py", "--from", str(tmp_path / "dense"), "--recipe",
+                  "recipes/tiny_mixtral.yaml", "--out", str(out), "--set", *SMALL, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "computes the dense model's function" in proc.stdout
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == \
@@ -296,7 +294,7 @@ def test_train_dense_upcycle_and_train_the_moe(tmp_path):
     model, cfg, tokenizer = load_run_model(tmp_path / "dense")
     hf.save_init_dir(tmp_path / "dense_init", cfg, model.state_dict(), tokenizer)
     _train_dense(tmp_path / "dense_cont", 20, ["--init-from", str(tmp_path / "dense_init")])
-    launch(tmp_path / "moe", "ds_configs/zero1_fp32.json", nproc=1, steps=20,
+    shared_launcher().launch(tmp_path / "moe", "ds_configs/zero1_fp32.json", nproc=1, steps=20,
            extra=["--init-from", str(out)])
     dense_rows, moe_rows = rows(tmp_path / "dense_cont"), rows(tmp_path / "moe")
     # fp32; the MoE's output is the dense MLP's up to summation order (test (a): <= 8.3e-7 on the

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.runs import REPO, env, launch, rows
+from tests.runs import REPO, env, rows
 
 CONFIG = "ds_configs/zero0_fp32.json"
 
@@ -40,11 +40,11 @@ def test_misspelt_backend_is_refused(tmp_path):
     assert line.startswith("error: ") and "parallel.backend" in line and "nccl" in line, line
 
 
-def test_explicit_gloo_trains_as_auto_does(tmp_path):
+def test_explicit_gloo_trains_as_auto_does(warm_launcher, tmp_path):
     """2 ranks, 3 steps each way: the same losses (the same backend underneath)."""
     got = {}
-    for backend in ("auto", "gloo"):
+    for backend in ("auto", "gloo"):       # each its own launch: the run creates its process group
         run_dir = tmp_path / backend
-        launch(run_dir, CONFIG, extra=[f"parallel.backend={backend}", "eval.every=0"], steps=3)
+        warm_launcher.launch(run_dir, CONFIG, extra=[f"parallel.backend={backend}", "eval.every=0"], steps=3)
         got[backend] = [r["loss"] for r in rows(run_dir)]
     assert len(got["gloo"]) == 3 and got["gloo"] == got["auto"], got

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from launch import convert_hf, evaluate, train
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 DS_JSON = REPO / "ds_configs" / "zero2_fp32.json"

@@ -1,4 +1,4 @@
-"""One rank lost or stopped (``training/watchdog.py``): named in one line, exit code 76 within a
+"""One rank lost or stopped (``training/resilience/watchdog.py``): named in one line, exit code 76 within a
 bound, and the same command reproduces the uninterrupted run. 2 gloo ranks under torchrun, as a
 user would launch them (the faults are signals to one worker)."""
 
@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import STEPS, WarmLauncher, launch, rows
-from training import watchdog
+from tests.runs import STEPS, launch, rows
+from training.resilience import watchdog
 
 CONFIG = "ds_configs/zero1_fp32.json"
 ARGS = ["train.save_every=2", "train.hang_timeout_s=30"]
 
 
 @pytest.fixture(scope="module")
-def warm():
-    with WarmLauncher() as launcher:
-        yield launcher
+def warm(warm_launcher):
+    return warm_launcher
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +41,15 @@ def _heartbeat(run_dir: Path, rank: int) -> dict | None:
 
 def _signal_rank_after(run_dir: Path, proc, rank: int, step: int, signum, timeout: float = 240) -> float:
     """Send ``signum`` to rank ``rank`` (its pid from its heartbeat) once ``metrics.jsonl`` shows
-    ``step``; the time it was sent."""
+    ``step`` and the rank's heartbeat names a completed step (heartbeats follow the steps a
+    quarter period behind: a fast run can log step ``step`` before the first such heartbeat);
+    the time it was sent."""
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         beat = _heartbeat(run_dir, rank)
-        if beat and metrics.is_file() and f'"step": {step},' in metrics.read_text():
+        if beat and beat.get("step") is not None and metrics.is_file() and \
+                f'"step": {step},' in metrics.read_text():
             os.kill(beat["pid"], signum)
             return time.monotonic()
         time.sleep(0.02)

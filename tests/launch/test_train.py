@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import REPO, SMALL, STEPS, WarmLauncher, kill_after_step, launch, rows
+from tests.runs import REPO, SMALL, STEPS, kill_after_step, launch, rows
 from tests.runs import env as _env
 from tests.runs import ds_variant as _fp32_config
 
@@ -66,22 +66,44 @@ def eval_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def warm():
-    with WarmLauncher() as launcher:
-        yield launcher
+def warm(warm_launcher):
+    return warm_launcher
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tmp_path_factory, warm):
+def two_rank_runs(tmp_path_factory, warm):
+    """The module's uninterrupted 2-rank runs, made once, one after another in one launched
+    process group (``WarmLauncher.launch_many``): the same recipe under ZeRO 0-3 (fp32), and the
+    accumulation pair (micro 1 x accumulation 4, micro 4 x 1). Name -> run directory."""
+    tmp = tmp_path_factory.mktemp("two-rank")
+    batch = [(tmp / f"zero{stage}", f"ds_configs/zero{stage}_fp32.json", []) for stage in range(4)]
+    for micro, acc in ((1, 4), (4, 1)):
+        cfg = _fp32_config(tmp, "zero2_fp32", train_micro_batch_size_per_gpu=micro,
+                           gradient_accumulation_steps=acc)
+        # Jitter off: its noise is drawn per sample index within a micro-batch, so it differs
+        # between micro 1 and micro 4 by design.
+        batch.append((tmp / f"m{micro}a{acc}", cfg, ["model.moe.aux_loss_coef=0.0", "model.moe.router_jitter=0.0"]))
+    warm.launch_many(batch)
+    return {run_dir.name: run_dir for run_dir, _, _ in batch}
+
+
+@pytest.fixture(scope="module")
+def zero_runs(two_rank_runs):
     """The same recipe under ZeRO 0-3 (fp32), 2 ranks, 10 steps. ``zero_runs[3]`` is the
     uninterrupted run that the killed, signalled and faulted runs below must reproduce."""
-    tmp = tmp_path_factory.mktemp("zero")
-    out = {}
-    for stage in range(4):
-        run_dir = tmp / f"zero{stage}"
-        warm.launch(run_dir, f"ds_configs/zero{stage}_fp32.json")
-        out[stage] = run_dir
-    return out
+    return {stage: two_rank_runs[f"zero{stage}"] for stage in range(4)}
+
+
+def test_a_run_in_a_batch_logs_what_it_logs_launched_alone(zero_runs, warm, tmp_path):
+    """``launch_many`` runs several trainings in one process group: each logs, bit for bit, what
+    the same command launched alone logs (every metric but the timings), eval rows included."""
+    alone = tmp_path / "zero1-alone"
+    warm.launch(alone, "ds_configs/zero1_fp32.json")
+    timing = {"tokens_per_s", "step_time_s", "step_busy_s_max", "step_busy_s_median", "slowest_rank",
+              "save_stall_s"}
+    lines = [[{k: v for k, v in json.loads(x).items() if k not in timing}
+              for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (zero_runs[1], alone)]
+    assert lines[0] == lines[1] and len(lines[0]) > STEPS
 
 
 def test_zero_stages_give_the_same_loss_every_step(zero_runs):
@@ -139,21 +161,13 @@ def test_a_bf16_run_on_a_cpu_without_native_bf16_warns_once_and_trains_in_bf16(z
         assert "no native bf16" not in (fp32_run.parent / f"{fp32_run.name}.log").read_text(), stage
 
 
-def test_accumulation_is_exact(warm, tmp_path):
+def test_accumulation_is_exact(two_rank_runs):
     # Mixtral routing is per token and dropless, the z-loss a per-token mean: with the
     # load-balancing loss off, micro 1 x accumulation 4 must equal micro 4 x accumulation 1 up to
     # summation order (fp32, ~1e-7; tolerance 1e-5 relative plus 1e-6 absolute per step). The
     # load-balancing loss is a per-micro-batch statistic (as in Switch/Megatron) and is
     # deliberately not accumulation-invariant.
-    runs = []
-    for micro, acc in ((1, 4), (4, 1)):
-        cfg = _fp32_config(tmp_path, "zero2_fp32", train_micro_batch_size_per_gpu=micro,
-                           gradient_accumulation_steps=acc)
-        run_dir = tmp_path / f"m{micro}a{acc}"
-        # Jitter off: its noise is drawn per sample index within a micro-batch, so it differs
-        # between micro 1 and micro 4 by design.
-        warm.launch(run_dir, cfg, extra=["model.moe.aux_loss_coef=0.0", "model.moe.router_jitter=0.0"])
-        runs.append(rows(run_dir))
+    runs = [rows(two_rank_runs[name]) for name in ("m1a4", "m4a1")]
     for a, b in zip(*runs, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), a["step"]
         assert b["tokens"] == a["tokens"]
@@ -206,7 +220,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, kill
     uninterrupted run."""
     import torch
 
-    from training import manifest
+    from training.checkpoint import manifest
     run_dir, args = tmp_path / damage, ["train.save_every=3"]
     shutil.copytree(killed_after_7, run_dir)
     ckpt = run_dir / "checkpoints"
@@ -280,7 +294,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(zero_runs, warm
 
     import torch
 
-    from training import manifest
+    from training.checkpoint import manifest
     run_dir = tmp_path / policy
     args = ["train.save_every=3", f"train.on_save_error={policy}",
             f"train.async_save={str(background).lower()}"]
@@ -323,7 +337,7 @@ def test_a_slow_filesystem_stalls_only_a_synchronous_save(zero_runs, warm, tmp_p
     uninterrupted run's."""
     import torch
 
-    from training import manifest
+    from training.checkpoint import manifest
     run_dir = tmp_path / f"slow-{background}"
     warm.launch(run_dir, "ds_configs/zero3_fp32.json", script=FAULT_RUN,
                 extra=["train.save_every=3", f"train.async_save={str(background).lower()}"],
@@ -350,7 +364,7 @@ def test_no_verified_checkpoint_stops_with_one_line_and_writes_nothing(warm, tmp
     """One process: a checkpoint without a manifest (a failed save, or one written without this
     trainer's manifest) and ``latest`` naming a folder that is gone. The trainer must not start
     over."""
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     run_dir = tmp_path / "unverified"
     ckpt = run_dir / "checkpoints"
     (ckpt / "step00000010").mkdir(parents=True)
@@ -391,7 +405,7 @@ def _signal_after_step(proc, run_dir: Path, step: int) -> float:
 
 
 def test_sigterm_saves_the_step_reached_and_the_same_command_resumes_exactly(zero_runs, warm, tmp_path):
-    """Preemption (``training/preemption.py``): the ranks finish the step they are in, save it
+    """Preemption (``training/resilience/preemption.py``): the ranks finish the step they are in, save it
     (not a save step: save_every is 100) and exit 75 within 60 s; the same command resumes and
     the losses match the uninterrupted run's."""
     import re
@@ -492,12 +506,12 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(warm, tm
 
 
 def test_the_trainer_exits_with_its_code_and_flushed_output_but_no_finalization():
-    """``run_setup.exit_now`` (the end of ``launch/train.py``): the run's code, its buffered
+    """``training.run.distributed.exit_now`` (the end of ``launch/train.py``): the run's code, its buffered
     stdout, stderr and logging flushed, and no interpreter finalization, where gloo's threads
     can abort a finished run. An atexit handler stands in for finalization."""
     script = ("import atexit, logging, sys\n"
               "atexit.register(lambda: print('FINALIZED', flush=True))\n"
-              "from training.run_setup import exit_now\n"
+              "from training.run.distributed import exit_now\n"
               "logging.basicConfig(stream=sys.stderr)\n"
               "print('stdout line'); sys.stderr.write('stderr line\\n')\n"
               "logging.getLogger('x').warning('log line')\n"

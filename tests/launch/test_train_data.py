@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.distributed import free_port
-from tests.runs import REPO, SMALL, env, kill_after_step, launch, rows
+from tests.runs import REPO, SMALL, env, kill_after_step, launch, python, rows
 
 STDLIB_FILES = ["json/decoder.py", "json/encoder.py", "csv.py", "textwrap.py", "string.py",
                 "fnmatch.py", "glob.py", "shlex.py", "heapq.py", "bisect.py"]
@@ -74,12 +73,12 @@ def _sets(data, source) -> list[str]:
 def test_a_megatron_core_dataset_is_read_token_for_token(data):
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
 
-    from training import data_sources
-    from training.recipe import load_recipe
+    from training.data import sources
+    from training.config.recipe import load_recipe
     ref = MegatronDataset(data["megatron"], multimodal=False, mmap=True)
     assert len(ref) == len(data["docs"]) and all(np.array_equal(ref[i], d) for i, d in enumerate(data["docs"]))
     recipe = load_recipe(None, _sets(data, [data["megatron"]]))
-    train, _ = data_sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
+    train, _ = sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
     (source,) = train
     whole = np.concatenate([source.train.read(np.arange(source.train.num_tokens)),
                             source.val.read(np.arange(source.val.num_tokens))])
@@ -90,22 +89,19 @@ def test_a_megatron_core_dataset_is_read_token_for_token(data):
                           np.concatenate([ref[i] for i in range(len(ref) - n_val, len(ref))]))
 
 
-def _order(tmp: Path, name: str, nproc: int, sets: list[str], steps: int = 6) -> list[dict]:
-    prefix = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                  "--master_port", str(free_port())] if nproc > 1 else [])
+def _order(warm, tmp: Path, name: str, nproc: int, sets: list[str], steps: int = 6) -> list[dict]:
     out = tmp / name
-    proc = subprocess.run([*prefix, "tests/training/_data_order_run.py", str(out), str(steps),
-                           "--config", "ds_configs/zero1_fp32.json", "--run-dir", str(tmp / f"run-{name}"),
-                           "--set", *sets], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    warm.script("tests/training/_data_order_run.py",
+                [str(out), str(steps), "--config", "ds_configs/zero1_fp32.json", "--run-dir",
+                 str(tmp / f"run-{name}"), "--set", *sets], tmp / f"{name}.log", nproc=nproc)
     return [dict(np.load(f"{out}.rank{r}.npz")) for r in range(nproc)]
 
 
-def test_a_blend_has_the_same_order_on_one_and_two_data_parallel_ranks(data, tmp_path):
+def test_a_blend_has_the_same_order_on_one_and_two_data_parallel_ranks(warm_launcher, data, tmp_path):
     blend = [0.7, data["megatron"], 0.3, data["ours"]]
     # The same global batch (16): one rank accumulating 2 micro-batches of 8, or two ranks of 8.
-    one = _order(tmp_path, "dp1", 1, _sets(data, blend) + ["ds.gradient_accumulation_steps=2"])[0]
-    two = sorted(_order(tmp_path, "dp2", 2, _sets(data, blend)), key=lambda r: int(r["dp_rank"]))
+    one = _order(warm_launcher, tmp_path, "dp1", 1, _sets(data, blend) + ["ds.gradient_accumulation_steps=2"])[0]
+    two = sorted(_order(warm_launcher, tmp_path, "dp2", 2, _sets(data, blend)), key=lambda r: int(r["dp_rank"]))
     # Each step's samples: rank 0 holds the first half, rank 1 the second, bitwise.
     assert np.array_equal(np.concatenate([two[0]["ids"], two[1]["ids"]], axis=1), one["ids"])
     assert np.array_equal(np.concatenate([two[0]["val"], two[1]["val"]])[: len(one["val"])], one["val"])
@@ -116,14 +112,14 @@ def test_a_blend_has_the_same_order_on_one_and_two_data_parallel_ranks(data, tmp
     assert abs(share - 0.7) < 0.05, seen[-1]          # 6 steps x 16 samples: a few samples' rounding
 
 
-def test_a_blended_run_logs_tokens_by_source_and_resumes_exactly(data, tmp_path):
+def test_a_blended_run_logs_tokens_by_source_and_resumes_exactly(warm_launcher, data, tmp_path):
     blend = [0.7, data["megatron"], 0.3, data["ours"]]
     extra = [f"data.source={json.dumps(blend)}", f"tokenizer.path={data['tokenizer']}",
              "model.moe.router_jitter=0.0", "train.save_every=3", "eval.every=0"]
     full, run = tmp_path / "full", tmp_path / "run"
-    launch(full, "ds_configs/zero1_fp32.json", extra=extra)
+    warm_launcher.launch(full, "ds_configs/zero1_fp32.json", extra=extra)
     kill_after_step(launch(run, "ds_configs/zero1_fp32.json", extra=extra, wait=False), run, 7)
-    launch(run, "ds_configs/zero1_fp32.json", extra=extra)
+    warm_launcher.launch(run, "ds_configs/zero1_fp32.json", extra=extra)     # the same command again
     ref, got = rows(full), rows(run)
     assert [r["step"] for r in got] == list(range(1, 11))
     for a, b in zip(ref, got):
@@ -201,22 +197,21 @@ def test_bad_data_is_one_line_and_leaves_the_run_directory_alone(data, tmp_path,
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3}\n')
     before = _snapshot(run)
     sets = [*_sets(data, [data["ours"]]), *build(data, tmp_path)]
-    out = subprocess.run([sys.executable, "launch/train.py", "--config", "ds_configs/zero1_fp32.json",
-                          "--run-dir", str(run), "--steps", "2", "--set", *sets], cwd=REPO, env=env(),
-                         capture_output=True, text=True, timeout=300)
+    out = python("launch/train.py", "--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run),
+                 "--steps", "2", "--set", *sets)
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert len(errors) == 1 and re.search(pattern, errors[0]), out.stderr[-3000:]
     assert _snapshot(run) == before
 
 
-def test_a_run_with_document_masking_trains_and_reloads_masked(data, tmp_path):
+def test_a_run_with_document_masking_trains_and_reloads_masked(warm_launcher, data, tmp_path):
     """``data.document_masking`` through the real entry point on short documents; the offline
     reader (``load_run_model``, behind evaluate.py and the exports) rebuilds the model with the
     run's EOS as the separator, as the trainer built it."""
     from interop.consolidate import load_run_model
     run = tmp_path / "masked"
-    launch(run, "ds_configs/zero1_fp32.json", nproc=1, steps=2,
+    warm_launcher.launch(run, "ds_configs/zero1_fp32.json", nproc=1, steps=2,
            extra=[f"data.source={json.dumps([data['megatron']])}", f"tokenizer.path={data['tokenizer']}",
                   "model.moe.router_jitter=0.0", "data.document_masking=true"])
     assert [r["step"] for r in rows(run)] == [1, 2]
@@ -228,11 +223,11 @@ def test_val_source_holds_out_a_dataset_of_its_own(data):
     """With ``data.val_source`` the training entries keep every document and validation reads the
     named dataset from its start; the validation windows are the same at any data-parallel size."""
     from data_pipeline.indexed import open_prepared
-    from training import data as data_lib
-    from training import data_sources
-    from training.recipe import load_recipe
+    from training.data import batches as data_lib
+    from training.data import sources
+    from training.config.recipe import load_recipe
     recipe = load_recipe(None, _sets(data, [data["megatron"]]) + [f"data.val_source={json.dumps([data['ours']])}"])
-    train, val = data_sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
+    train, val = sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
     mega, ours = open_prepared(data["megatron"]), open_prepared(data["ours"])
     assert train[0].train.num_tokens == sum(s.num_tokens for s in mega.shards) and train[0].val is None
     assert [v.name for v in val] == [data["ours"]] and val[0].train.num_tokens == sum(s.num_tokens for s in ours.shards)

@@ -1,4 +1,4 @@
-"""``train.compile`` (training/compile.py): compiled blocks train as eager ones, the MoE block is
+"""``train.compile`` (training/engine/compile.py): compiled blocks train as eager ones, the MoE block is
 one graph, and the custom ops that keep it one graph compute what eager computes.
 
 One process for the whole file, tiny fp32 models on CPU. Every test starts from an empty dynamo
@@ -14,7 +14,7 @@ from model.config import MoEConfig
 from model.document_mask import attention_inputs
 from model.moe import experts
 from model.moe.experts import grouped_mm
-from training.compile import compile_blocks
+from training.engine.compile import compile_blocks
 
 SIZES = dict(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=48, max_seq_len=16)
@@ -157,15 +157,15 @@ def test_grouped_mm_op_matches_eager(path, monkeypatch):
 
 
 def test_trainer_compiles_blocks_in_place():
-    """``run_setup.build_model``, the trainer's model before ``deepspeed.initialize``: with
+    """``training.engine.build.build_model``, the trainer's model before ``deepspeed.initialize``: with
     ``train.compile`` each block's forward is compiled in place (parameter names unchanged, so
     checkpoints, shard maps and ``--init-from`` keep their keys); off, the default, nothing is.
     Under ZeRO-3 each block is also a ZeRO-3 leaf (its hooks gather it whole around the graph)."""
-    from training import run_setup
-    from training.recipe import load_recipe
+    from training.engine.build import build_model
+    from training.config.recipe import load_recipe
     sizes = [f"model.{k}={v}" for k, v in SIZES.items() if k != "vocab_size"]
     small = sizes + ["model.vocab_size=512", "tokenizer.vocab_size=512", "data.seq_len=16"]
-    models = {flag: run_setup.build_model(load_recipe(None, small + [f"train.compile={flag}"]), None, None)
+    models = {flag: build_model(load_recipe(None, small + [f"train.compile={flag}"]), None, None)
               for flag in ("false", "true")}
 
     def compiled(block):

@@ -220,8 +220,8 @@ def test_config_field_round_trips_and_hf_interop_exports_the_default(tmp_path):
 
 def test_recipe_key_turns_masking_on_with_the_tokenizers_eos():
     from model.parallel.groups import ParallelGroups
-    from training.recipe import load_recipe
-    from training.run_setup import build_model
+    from training.config.recipe import load_recipe
+    from training.engine.build import build_model
     small = ["model.hidden_size=32", "model.num_layers=1", "model.ffn_hidden_size=32",
              "model.max_seq_len=32", "data.seq_len=32"]
     off = load_recipe("recipes/tiny_dense.yaml", small)

@@ -70,12 +70,12 @@ def test_dispatch_plan_matches_written_table():
     assert plan.token_idx.tolist() == [0, 1, 0, 2, 3, 1, 2, 3]
     assert plan.slot_idx.tolist() == [0, 0, 1, 1, 0, 1, 0, 1]
     assert plan.row_kept.tolist() == [True] * 6 + [False] * 2
-    assert plan.tokens_per_expert.tolist() == [2, 2, 2]
+    assert plan.kept_per_expert.tolist() == [2, 2, 2]
     assert plan.routed_per_expert.tolist() == [4, 2, 2]
     assert plan.num_dropped.item() == 2
     dropless = dispatcher.plan_dispatch(expert_idx, num_experts=3)
     assert dropless.token_idx.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
-    assert dropless.tokens_per_expert.tolist() == [4, 2, 2] and dropless.row_kept is None
+    assert dropless.kept_per_expert.tolist() == [4, 2, 2] and dropless.row_kept is None
 
 
 def test_switch_capacity_drops_exactly_the_rule():
@@ -101,7 +101,7 @@ def test_switch_capacity_drops_exactly_the_rule():
     dropped = [t for t in range(8) if torch.all(out[0, t] == 0)]
     assert dropped == expected_dropped
     assert aux.dropped_frac.item() == pytest.approx(2 / 8)
-    assert aux.tokens_per_expert.tolist() == [4, 2, 1, 1]
+    assert aux.routed_per_expert.tolist() == [4, 2, 1, 1]
     # Kept tokens are scaled by the raw top-1 probability (no renormalization).
     probs = torch.softmax(x[0].float() @ layer.gate.weight.t(), -1)
     t = 3

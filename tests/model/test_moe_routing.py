@@ -19,7 +19,7 @@ from model import MixtralConfig, SwitchConfig, Transformer
 from model.config import MoEConfig
 from model.moe.layer import MoELayer
 from model.moe.router import route
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=48, max_seq_len=16)
@@ -123,7 +123,7 @@ def _balance_run(rate: float, steps: int = 100) -> tuple[MoELayer, list[float]]:
     for step in range(steps):
         x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(step)) + 3 * direction
         with torch.no_grad():
-            counts = layer(x)[1].tokens_per_expert
+            counts = layer(x)[1].routed_per_expert
         ratios.append(counts.max().item() / counts.double().mean().item())
         before = layer.gate.e_score_correction_bias.clone()
         layer.gate.update_bias(counts)

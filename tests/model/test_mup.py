@@ -12,7 +12,8 @@ from model import DenseConfig, MixtralConfig, Transformer
 from model import mup
 from model.config import MoEConfig
 from model.transformer import Attention, RotaryEmbedding
-from training import optim, schedules
+from training.optim import optimizers
+from training.optim import schedules
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = dict(vocab_size=96, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -92,7 +93,7 @@ def test_per_group_lrs_as_the_trainer_builds_them_keep_their_ratio_under_every_s
     from deepspeed.runtime import lr_schedules as ds_sched
     _, cfg = _pair(base=32)                                                   # m = 4
     model = Transformer(cfg)
-    groups = optim.param_groups(model, 0.1, cfg)
+    groups = optimizers.param_groups(model, 0.1, cfg)
     assert [g["name"] for g in groups] == ["decay", "no_decay", "decay_mup_hidden"]
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(p)] for p in groups[2]["params"]} == {n for n in names.values() if mup.is_hidden(n)}
@@ -110,8 +111,8 @@ def test_per_group_lrs_as_the_trainer_builds_them_keep_their_ratio_under_every_s
     for kind, params in sections.items():
         ds = {"optimizer": {"type": "AdamW", "params": {"lr": base_lr}},
               "scheduler": {"type": kind, "params": dict(params)}}
-        groups = optim.param_groups(model, 0.1, cfg)
-        ds = optim.apply_group_lr_scales(ds, groups)
+        groups = optimizers.param_groups(model, 0.1, cfg)
+        ds = optimizers.apply_group_lr_scales(ds, groups)
         assert [g["lr"] for g in groups] == [base_lr, base_lr, base_lr * 0.25]
         opt = torch.optim.AdamW(groups, lr=base_lr)        # as DeepSpeed builds it from the JSON
         if kind in schedules.OUR_SCHEDULERS:
@@ -130,11 +131,11 @@ def test_mup_off_is_the_standard_model():
     t = torch.randn(3)
     assert mup.scale_logits(cfg, t) is t and mup.attention_scale(cfg) is None
     assert all(mup.init_scale(cfg, n) == 1.0 == mup.lr_scale(cfg, n) for n, _ in model.named_parameters())
-    with_cfg, without = optim.param_groups(model, 0.1, cfg), optim.param_groups(model, 0.1)
+    with_cfg, without = optimizers.param_groups(model, 0.1, cfg), optimizers.param_groups(model, 0.1)
     assert [(g.keys(), g["params"]) for g in with_cfg] == [(g.keys(), g["params"]) for g in without]
     assert [g["name"] for g in with_cfg] == ["decay", "no_decay"]
     ds = {"optimizer": {"params": {"lr": 1e-3}}, "scheduler": {"params": {"warmup_max_lr": 1e-3}}}
-    assert optim.apply_group_lr_scales(ds, with_cfg) is ds and "lr" not in with_cfg[0]
+    assert optimizers.apply_group_lr_scales(ds, with_cfg) is ds and "lr" not in with_cfg[0]
     # At m = 1 muP keeps every weight bitwise; only the attention scale differs.
     base = DenseConfig(**SIZES, mup_base_hidden_size=SIZES["hidden_size"]).validate()
     sp_state, mu_state = Transformer(DenseConfig(**SIZES)).state_dict(), Transformer(base).state_dict()
@@ -150,7 +151,7 @@ def test_config_errors_name_the_field():
     ds = {"optimizer": {"type": "AdamW", "params": {}}}
     _, cfg = _pair(DenseConfig)
     with pytest.raises(ValueError, match="optimizer.params.lr"):
-        optim.apply_group_lr_scales(ds, optim.param_groups(Transformer(cfg), 0.0, cfg))
+        optimizers.apply_group_lr_scales(ds, optimizers.param_groups(Transformer(cfg), 0.0, cfg))
 
 
 def _coord_check_module():

@@ -12,19 +12,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from model.moe.layer import MoELayer  # noqa: E402
-from training import ds_config, preflight, run_setup, stepping  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.run.preflight import plan_for  # noqa: E402
+from training.run.trainer import Run  # noqa: E402
 
-recipe = load_recipe(None, ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32",
-                            "model.max_seq_len=16", "data.seq_len=16", "train.steps=3",
-                            "model.moe.balance_over=global_batch"])
-raw = ds_config.load_ds_config("ds_configs/zero1_fp32.json")
-raw.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-ds = preflight.resolve_ds_config(ds_config.validate_ds_config(raw, 1), recipe)
-ctx = run_setup.init_distributed(recipe)
-model = run_setup.build_model(recipe, None, ctx.groups)
-engine = run_setup.build_engine(model, ds, recipe.train.steps, ctx.groups)
-stepper = stepping.Stepper(engine, recipe, ds, ctx, 1)
+run = Run(plan_for("ds_configs/zero1_fp32.json", sets=[
+    "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32", "model.max_seq_len=16",
+    "data.seq_len=16", "train.steps=3", "model.moe.balance_over=global_batch",
+    "ds.train_micro_batch_size_per_gpu=2", "ds.gradient_accumulation_steps=2"]))
+run.join_job()
+run.build_model()
+stepper, model = run.build_stepper(), run.model
 gen = torch.Generator().manual_seed(0)
 windows = []
 for step in (1, 2, 3):

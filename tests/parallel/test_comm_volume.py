@@ -146,7 +146,7 @@ def test_ep_exchange_sends_exactly_the_routed_rows(rows):
             ("MoE dispatch", "MoE combine"))]
         assert len(exchange) == 4, exchange         # dispatch, combine x forward, backward
         for r in exchange:
-            # analyse() checked each rank's send against sum(tokens_per_expert) * h of its
+            # analyse() checked each rank's send against sum(routed_per_expert) * h of its
             # routing (r.ok); dropless top-k routes k*T rows in all, with no padding.
             assert r.ok, (scope, r.traffic, r.phase, r.note)
             assert r.count == moe_layers and r.op == "all_to_all_single"

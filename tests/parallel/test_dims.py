@@ -1,6 +1,6 @@
 """The one layout validator (model/parallel/dims.py): every degree checked up front, one line each
 naming the field, the value and the fix; and the DeepSpeed-dependent checks beside it
-(training.ds_config.check_layout). Single process, no torch.distributed."""
+(training.config.ds_config.check_layout). Single process, no torch.distributed."""
 
 import re
 from dataclasses import replace
@@ -9,7 +9,7 @@ import pytest
 
 from model.config import DenseConfig, MixtralConfig, MoEConfig
 from model.parallel.dims import ParallelDims
-from training.ds_config import check_layout
+from training.config.ds_config import check_layout
 
 MIXTRAL = MixtralConfig(vocab_size=96, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2,
                         ffn_hidden_size=96, max_seq_len=64,

@@ -86,7 +86,7 @@ def _check_pipeline(cfg, groups, tag):
     """DeepSpeed's engine on this rank's stage: the inference schedule's logits (last stage),
     then one 1F1B step whose gradients are read just before the optimizer step (lr 0)."""
     import deepspeed
-    from training.pipeline import TransformerPipe, before_optimizer_step, pipeline_ds_config
+    from training.engine.pipeline import TransformerPipe, before_optimizer_step, pipeline_ds_config
     ref, ids, labels, docs, targets = _reference(cfg)
     pipe = TransformerPipe(cfg, groups, seed=7)
     ds = pipeline_ds_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

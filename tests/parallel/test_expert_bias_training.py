@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from interop.consolidate import load_run_model
-from tests.runs import WarmLauncher, ds_variant, rows
+from tests.runs import ds_variant, rows
 
 STEPS = 6
 RATE = 1e-3
@@ -69,7 +69,7 @@ def _on_the_rate_grid(bias: torch.Tensor) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(warm_launcher, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bias")
     batch = dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
     config, zero3 = ds_variant(tmp, "zero1_fp32", **batch), ds_variant(tmp, "zero3", **batch)
@@ -78,18 +78,17 @@ def runs(tmp_path_factory):
                ("ep2-off", 2, MODEL + EP2, config), ("tp2", 2, ON + TP2, config),
                ("tp2xep2", 4, ON + TP2 + EP2, config), ("ep2-zero3", 2, ON + EP2, zero3_fp32),
                ("tp2-zero3", 2, ON + TP2, zero3_fp32), ("ep2-zero3-bf16", 2, ON + EP2, zero3))
-    out = {}
-    with WarmLauncher() as warm:       # 10 runs, 21 ranks: the libraries imported once, not 21 times
-        for name, nproc, extra, ds in layouts:
-            out[name] = tmp / name
-            warm.launch(out[name], ds, nproc=nproc, extra=extra, steps=STEPS)
-        # Resume a copy of the ZeRO-3 run from its step-3 checkpoint (the same command again).
-        out["resumed"] = tmp / "resumed"
-        shutil.copytree(out["ep2-zero3-bf16"], out["resumed"])
-        ckpt = out["resumed"] / "checkpoints"
-        shutil.rmtree(ckpt / f"step{STEPS:08d}")
-        (ckpt / "latest").write_text(f"step{STEPS // 2:08d}")
-        warm.launch(out["resumed"], zero3, nproc=2, extra=ON + EP2, steps=STEPS)
+    out = {name: tmp / name for name, _, _, _ in layouts}
+    for nproc in (1, 2, 4):      # a world size's runs one after another in one process group
+        warm_launcher.launch_many([(out[name], ds, extra, STEPS) for name, n, extra, ds in layouts if n == nproc],
+                                  nproc=nproc)
+    # Resume a copy of the ZeRO-3 run from its step-3 checkpoint (the same command again).
+    out["resumed"] = tmp / "resumed"
+    shutil.copytree(out["ep2-zero3-bf16"], out["resumed"])
+    ckpt = out["resumed"] / "checkpoints"
+    shutil.rmtree(ckpt / f"step{STEPS:08d}")
+    (ckpt / "latest").write_text(f"step{STEPS // 2:08d}")
+    warm_launcher.launch(out["resumed"], zero3, nproc=2, extra=ON + EP2, steps=STEPS)
     return out
 
 

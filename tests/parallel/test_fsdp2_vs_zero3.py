@@ -54,7 +54,7 @@ def _strip_parameter_attributes(model: nn.Module) -> None:
 
 
 def test_forward_reads_no_parameter_attributes():
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     cfg = load_recipe(REPO / "recipes/tiny_mixtral.yaml").model
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     model = Transformer(cfg, init_seed=0)

@@ -35,13 +35,13 @@ def _check(rank: int, world: int) -> None:
     groups = ParallelGroups(dp=world, dp_rank=rank, batch_group=dist.group.WORLD)
     local = load_balancing_losses([aux], groups)[0]
     global_ = load_balancing_losses([aux], groups, global_batch=layer.moe.global_balance)[0]
-    counts = [torch.zeros_like(aux.tokens_per_expert) for _ in range(world)]
-    dist.all_gather(counts, aux.tokens_per_expert)
+    counts = [torch.zeros_like(aux.routed_per_expert) for _ in range(world)]
+    dist.all_gather(counts, aux.routed_per_expert)
     assert not torch.equal(counts[0], counts[1]), counts             # the test means something
     mean = torch.stack(counts).float().mean(0)
     torch.testing.assert_close(global_, aux.balance_scale * (mean * aux.mean_prob).sum(),
                                rtol=1e-6, atol=0)
-    torch.testing.assert_close(local, aux.balance_scale * (aux.tokens_per_expert.float()
+    torch.testing.assert_close(local, aux.balance_scale * (aux.routed_per_expert.float()
                                                            * aux.mean_prob).sum(), rtol=1e-6, atol=0)
     assert not torch.allclose(local, global_)
     global_.backward()                                     # the gradient flows through the probs
@@ -68,8 +68,8 @@ def _check_accumulation(rank: int, world: int) -> None:
         for x in xs:                                        # two accumulation micro-batches
             _, aux = layer(x)
             losses.append(load_balancing_losses([aux], groups, global_batch=True)[0])
-            gathered = [torch.zeros_like(aux.tokens_per_expert) for _ in range(world)]
-            dist.all_gather(gathered, aux.tokens_per_expert)
+            gathered = [torch.zeros_like(aux.routed_per_expert) for _ in range(world)]
+            dist.all_gather(gathered, aux.routed_per_expert)
             counts.append((torch.stack(gathered).float().mean(0), aux))
         return losses, counts
 

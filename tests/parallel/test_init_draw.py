@@ -26,7 +26,7 @@ from model.parallel import draw as draw_mod
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import take_shard
 from model.transformer import init_std_for
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = [(2, 1, "contiguous"), (1, 2, "contiguous"), (1, 2, "round_robin"),

@@ -186,7 +186,7 @@ def _jitter_two_ranks(tp2, sp, ep2):
 
     def routing_divergence(seed):
         aux = _run(model, ids, ids, seed).moe_aux
-        return comm.replica_divergence([a.tokens_per_expert for a in aux], tp2.tp_group).item()
+        return comm.replica_divergence([a.routed_per_expert for a in aux], tp2.tp_group).item()
     assert routing_divergence(seed) == 0.0
     assert routing_divergence(seed + tp2.tp_rank) > 0       # seeded per tp rank: peers diverge
     assert comm.replica_divergence(routers, tp2.tp_group).item() == 0.0

@@ -65,22 +65,41 @@ def assert_same_run(ref, got, rel: float) -> None:
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
+VARIANTS = [("zero3_fp32", True, False, "DeepSpeedZeroOptimizer_Stage3"),
+            ("zero3_fp32", True, True, "DeepSpeedZeroOptimizer_Stage3"),
+            ("zero2_fp32", False, True, "DeepSpeedZeroOptimizer")]
+
+
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("zero3") / "run"
-    launch(run_dir, "ds_configs/zero3_fp32.json")
+def runs(warm_launcher, tmp_path_factory):
+    """Every uninterrupted run of the module, made once, one after another in one launched 2-rank
+    process group (``WarmLauncher.launch_many``). Name -> run directory."""
+    tmp = tmp_path_factory.mktemp("offload")
+    batch = [(tmp / "zero3", "ds_configs/zero3_fp32.json", [])]
+    batch += [(tmp / f"{name}-{int(params)}-{int(cpu_adam)}", offload_variant(tmp, name, params, cpu_adam), [])
+              for name, params, cpu_adam, _ in VARIANTS]
+    batch += [(tmp / "cpu-adam-full", offload_variant(tmp, "zero3_fp32", params=True, cpu_adam=True),
+               ["train.save_every=3"]),
+              # ``zero3.json`` (micro 8, lr 6e-4) given the offload file's micro batch and lr, its
+              # only other differences.
+              (tmp / "bf16-zero3", "ds_configs/zero3.json",
+               ["ds.train_micro_batch_size_per_gpu=4", "ds.optimizer.params.lr=3e-4"]),
+              (tmp / "bf16-offload", "ds_configs/zero3_offload.json", [])]
+    warm = warm_launcher
+    warm.launch_many(batch, timeout=1200)
+    return {run_dir.name: run_dir for run_dir, _, _ in batch}
+
+
+@pytest.fixture(scope="module")
+def zero3(runs):
+    run_dir = runs["zero3"]
     assert optimizer_of(run_dir) == {"update": TORCH_ADAMW, "wrapper": "DeepSpeedZeroOptimizer_Stage3"}
     return run_dir
 
 
-@pytest.mark.parametrize("name, params, cpu_adam, wrapper", [
-    ("zero3_fp32", True, False, "DeepSpeedZeroOptimizer_Stage3"),
-    ("zero3_fp32", True, True, "DeepSpeedZeroOptimizer_Stage3"),
-    ("zero2_fp32", False, True, "DeepSpeedZeroOptimizer"),
-])
-def test_offloaded_run_matches_zero3_on_the_device(name, params, cpu_adam, wrapper, zero3, tmp_path):
-    run_dir = tmp_path / "run"
-    launch(run_dir, offload_variant(tmp_path, name, params, cpu_adam))
+@pytest.mark.parametrize("name, params, cpu_adam, wrapper", VARIANTS)
+def test_offloaded_run_matches_zero3_on_the_device(name, params, cpu_adam, wrapper, zero3, runs):
+    run_dir = runs[f"{name}-{int(params)}-{int(cpu_adam)}"]
     assert optimizer_of(run_dir) == {"update": CPU_ADAM if cpu_adam else TORCH_ADAMW, "wrapper": wrapper}
     assert_same_run(zero3, run_dir, rel=1e-6)
     evals = [[json.loads(line)["eval_loss"] for line in (d / "metrics.jsonl").open()
@@ -93,25 +112,22 @@ def test_offloaded_run_matches_zero3_on_the_device(name, params, cpu_adam, wrapp
         torch.testing.assert_close(p, q, rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
 
 
-def test_cpu_adam_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_cpu_adam_kill_and_resume_reproduces_the_uninterrupted_run(warm_launcher, runs, tmp_path):
     """The Adam moments live in CPU memory under offload: the checkpoint must carry them."""
     config = offload_variant(tmp_path, "zero3_fp32", params=True, cpu_adam=True)
     extra = ["train.save_every=3"]
-    full, run_dir = tmp_path / "full", tmp_path / "killed"
-    launch(full, config, extra=extra)
+    full, run_dir = runs["cpu-adam-full"], tmp_path / "killed"
     kill_after_step(launch(run_dir, config, extra=extra, wait=False), run_dir, 7)
-    launch(run_dir, config, extra=extra)
+    warm = warm_launcher                 # the same command again
+    warm.launch(run_dir, config, extra=extra)
     assert "resumed from" in (tmp_path / "killed.log").read_text()
     for a, b in zip(rows(full), rows(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
 
 
-def test_the_shipped_bf16_offload_file_trains_like_zero3(tmp_path):
+def test_the_shipped_bf16_offload_file_trains_like_zero3(runs):
     """The file as shipped; ``zero3.json`` (micro 8, lr 6e-4) is given the offload file's micro
     batch and lr, its only other differences."""
-    ref, run_dir = tmp_path / "zero3", tmp_path / "offload"
-    launch(ref, "ds_configs/zero3.json",
-           extra=["ds.train_micro_batch_size_per_gpu=4", "ds.optimizer.params.lr=3e-4"])
-    launch(run_dir, "ds_configs/zero3_offload.json")
+    ref, run_dir = runs["bf16-zero3"], runs["bf16-offload"]
     assert optimizer_of(run_dir)["update"] == TORCH_ADAMW
     assert_same_run(ref, run_dir, rel=1e-6)

@@ -7,7 +7,8 @@ inner dim and EP exchanges tokens on both stages). The DeepSpeed JSON is micro-b
 accumulation 2 (dp 1): DeepSpeed's 1F1B schedule interleaves the two micro-batches over the two
 stages, and each EP rank embeds and scores 2 of the 4 rows of every micro-batch. The control is
 ``python launch/train.py`` on one process with the same JSON, so every step sees the same
-micro-batches (the router losses are per micro-batch). Each launch runs under one ZeRO stage the
+micro-batches (the router losses are per micro-batch); the runs are made once, the 4-rank ones one
+after another in one launched process group. Each run is under one ZeRO stage the
 pipeline supports (0 and 1; DeepSpeed refuses 2 and 3 with pipelines); tied embeddings (the
 embedding on the first stage and the vocab-parallel head on the last, summed across stages by
 DeepSpeed) ride in one launch of each layout.
@@ -56,17 +57,32 @@ def _config(tmp, stage: int) -> str:
                       gradient_accumulation_steps=2, gradient_clipping=CLIP)
 
 
+def _extra(layout: str, stage: int, tied: bool) -> list[str]:
+    extra = RECIPE_JITTER + LAYOUTS[layout] + (TIED if tied else [])
+    return extra + (["train.save_every=3"] if (layout, stage) == ("pp2xtp2", 1) else [])   # resumed
+
+
 @pytest.fixture(scope="module")
-def controls(tmp_path_factory):
+def runs(warm_launcher, tmp_path_factory):
+    """The module's runs, made once: the two controls one after the other in one process, the
+    five 4-rank layouts one after another in one launched process group
+    (``WarmLauncher.launch_many``). Name -> run directory."""
+    tmp = tmp_path_factory.mktemp("3d")
+    controls = [(tmp / f"control-tied{int(tied)}", _config(tmp, 1), RECIPE_JITTER + (TIED if tied else []))
+                for tied in (False, True)]
+    layouts = [(tmp / f"{layout}-{stage}-{int(tied)}", _config(tmp, stage), _extra(layout, stage, tied))
+               for layout, stage, tied in CASES]
+    warm = warm_launcher
+    warm.launch_many(controls, nproc=1)
+    warm.launch_many(layouts, nproc=4, timeout=1200)
+    return {run_dir.name: run_dir for run_dir, _, _ in controls + layouts}
+
+
+@pytest.fixture(scope="module")
+def controls(runs):
     """Single-process runs, untied and tied, keyed by ``tied``. ZeRO-1 (one process: the stage
     changes no arithmetic, and DeepSpeed reports the grad norm)."""
-    tmp = tmp_path_factory.mktemp("controls")
-    out = {}
-    for tied in (False, True):
-        run_dir = tmp / f"control-tied{int(tied)}"
-        launch(run_dir, _config(tmp, 1), nproc=1, extra=RECIPE_JITTER + (TIED if tied else []))
-        out[tied] = run_dir
-    return out
+    return {tied: runs[f"control-tied{int(tied)}"] for tied in (False, True)}
 
 
 def _evals(run_dir) -> list[float]:
@@ -97,14 +113,11 @@ def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
 
 
 @pytest.mark.parametrize("layout, stage, tied", CASES)
-def test_3d_layout_matches_the_single_process_control(layout, stage, tied, controls, tmp_path):
-    extra = RECIPE_JITTER + LAYOUTS[layout] + (TIED if tied else [])
+def test_3d_layout_matches_the_single_process_control(warm_launcher, layout, stage, tied, controls, runs, tmp_path):
+    extra = _extra(layout, stage, tied)
     resume = (layout, stage) == ("pp2xtp2", 1)
-    if resume:
-        extra += ["train.save_every=3"]
-    run_dir = tmp_path / "run"
+    run_dir = runs[f"{layout}-{stage}-{int(tied)}"]
     config = _config(tmp_path, stage)
-    launch(run_dir, config, nproc=4, extra=extra)
     what = (layout, stage, tied)
     ref, got = rows(controls[tied]), rows(run_dir)
     _assert_same_metrics(ref, got, what)
@@ -140,7 +153,8 @@ def test_3d_layout_matches_the_single_process_control(layout, stage, tied, contr
         # repeats the uninterrupted one.
         killed = tmp_path / "killed"
         kill_after_step(launch(killed, config, nproc=4, extra=extra, wait=False), killed, 7)
-        launch(killed, config, nproc=4, extra=extra)
+        warm = warm_launcher             # the same command again
+        warm.launch(killed, config, nproc=4, extra=extra)
         assert "resumed from" in (tmp_path / "killed.log").read_text()
         for a, b in zip(got, rows(killed), strict=True):
             for key in KEYS:

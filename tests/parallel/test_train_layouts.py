@@ -5,6 +5,10 @@ accumulation 1), so every optimizer step sees the same 8 sequences. Each layout 
 (fp32; TP2, EP2, TP2 x EP2 and TP2 with sequence parallelism under each ZeRO stage) and must log
 the same loss and grad norm at every step.
 
+The runs are made once per module (``runs``), those of one world size one after another in one
+launched process group: each is ``launch.train.main`` with the command line a user types, and a
+run in such a batch logs bitwise the metrics of the same run launched alone.
+
 Tolerance: fp32; the layouts change only the summation order (split matmuls, all-reduces,
 all-to-alls, reduce-scatters), ~1e-7 relative per op; after 10 optimizer steps the losses agree
 to ~1e-6. Those four layouts hold the loss to relative 1e-6 and the grad norm and aux loss to
@@ -37,19 +41,49 @@ LAYOUTS = {"tp2": (2, ["parallel.tensor_parallel_size=2"]),
            "tp2-sp": (2, ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"])}
 
 
+# Pipeline parallelism: DeepSpeed's PipelineEngine (1F1B), ZeRO 0/1 only. The MoE aux losses of
+# the first stage's blocks reach the loss through the stage I/O (training/engine/pipeline.py).
+PP2 = ["parallel.pipeline_parallel_size=2"]
+# Micro-batch 2 x accumulation 4 (test_pp2_1f1b_over_four_micro_batches_matches_its_control).
+FOUR_MICRO = [("zero1_fp32", []), ("zero0_fp32", ["model.tie_embeddings=true"])]
+
+
 @pytest.fixture(scope="module")
-def control(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("control") / "run"
-    launch(run_dir, "ds_configs/zero2_fp32.json", nproc=1, extra=[])
-    return run_dir
+def runs(warm_launcher, tmp_path_factory):
+    """Every run of this module but the killed one, made once: the runs of one world size one
+    after another in one launched process group (``WarmLauncher.launch_many``), each the same
+    command line as ``launch`` would start. Name -> run directory."""
+    tmp = tmp_path_factory.mktemp("layouts")
+    four = {config: ds_variant(tmp, config, train_micro_batch_size_per_gpu=2,
+                               gradient_accumulation_steps=4) for config, _ in FOUR_MICRO}
+    batches = {1: [("control", "ds_configs/zero2_fp32.json", []),
+                   ("control-nj", "ds_configs/zero2_fp32.json", RECIPE_JITTER)]
+               + [(f"4micro-control-{c}", four[c], RECIPE_JITTER + x) for c, x in FOUR_MICRO],
+               2: [(f"{layout}-{stage}", f"ds_configs/zero{stage}_fp32.json", extra)
+                   for layout, (nproc, extra) in LAYOUTS.items() if nproc == 2 for stage in range(4)]
+               + [(f"pp2-{stage}", f"ds_configs/zero{stage}_fp32.json", RECIPE_JITTER + PP2) for stage in (0, 1)]
+               + [(f"4micro-pp2-{c}", four[c], RECIPE_JITTER + x + PP2) for c, x in FOUR_MICRO]
+               + [("ep2-full", "ds_configs/zero2_fp32.json", LAYOUTS["ep2"][1] + ["train.save_every=3"])],
+               4: [(f"tp2xep2-{stage}", f"ds_configs/zero{stage}_fp32.json", LAYOUTS["tp2xep2"][1])
+                   for stage in range(4)]
+               + [(f"tp2xep2-sp-{stage}", f"ds_configs/zero{stage}_fp32.json",
+                   LAYOUTS["tp2xep2"][1] + ["parallel.sequence_parallel=true"]) for stage in (1, 3)]}
+    warm = warm_launcher
+    for nproc, batch in batches.items():
+        warm.launch_many([(tmp / name, config, extra) for name, config, extra in batch], nproc=nproc,
+                         timeout=1200)
+    return {name: tmp / name for batch in batches.values() for name, _, _ in batch}
+
+
+@pytest.fixture(scope="module")
+def control(runs):
+    return runs["control"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_the_single_process_control(layout, stage, control, tmp_path):
-    nproc, extra = LAYOUTS[layout]
-    run_dir = tmp_path / "run"
-    launch(run_dir, f"ds_configs/zero{stage}_fp32.json", nproc=nproc, extra=extra)
+def test_layout_matches_the_single_process_control(layout, stage, control, runs):
+    run_dir = runs[f"{layout}-{stage}"]
     ref, got = rows(control), rows(run_dir)
     assert len(got) == len(ref) == 10
     for a, b in zip(ref, got):
@@ -72,16 +106,9 @@ def test_layout_matches_the_single_process_control(layout, stage, control, tmp_p
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_tp2_x_ep2_with_sequence_parallelism_matches_the_control(stage, control, tmp_path):
-    run_dir = tmp_path / "run"
-    launch(run_dir, f"ds_configs/zero{stage}_fp32.json", nproc=4,
-           extra=LAYOUTS["tp2xep2"][1] + ["parallel.sequence_parallel=true"])
+def test_tp2_x_ep2_with_sequence_parallelism_matches_the_control(stage, control, runs):
+    run_dir = runs[f"tp2xep2-sp-{stage}"]
     _assert_same_metrics(rows(control), rows(run_dir), ("tp2xep2-sp", stage))
-
-
-# Pipeline parallelism: DeepSpeed's PipelineEngine (1F1B), ZeRO 0/1 only. The MoE aux losses of
-# the first stage's blocks reach the loss through the stage I/O (training/pipeline.py).
-PP2 = ["parallel.pipeline_parallel_size=2"]
 
 
 def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
@@ -95,26 +122,17 @@ def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
     assert ref[-1]["loss"] < ref[0]["loss"]
 
 
-@pytest.fixture(scope="module")
-def control_without_jitter(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("control-nj") / "run"
-    launch(run_dir, "ds_configs/zero2_fp32.json", nproc=1, extra=RECIPE_JITTER)
-    return run_dir
-
-
 @pytest.mark.parametrize("stage", [0, 1])
-def test_pp2_matches_the_single_process_control(stage, control_without_jitter, tmp_path):
-    control, run_dir = control_without_jitter, tmp_path / "run"
-    launch(run_dir, f"ds_configs/zero{stage}_fp32.json", extra=RECIPE_JITTER + PP2)
+def test_pp2_matches_the_single_process_control(stage, runs):
+    control, run_dir = runs["control-nj"], runs[f"pp2-{stage}"]
     _assert_same_metrics(rows(control), rows(run_dir), ("pp2", stage))
     evals = [[json.loads(line)["eval_loss"] for line in (d / "metrics.jsonl").open()
               if "eval_loss" in line] for d in (control, run_dir)]    # via engine.eval_batch
     assert evals[1] == pytest.approx(evals[0], rel=1e-4) and len(evals[0]) == 2
 
 
-@pytest.mark.parametrize("config, extra", [("zero1_fp32", []),
-                                           ("zero0_fp32", ["model.tie_embeddings=true"])])
-def test_pp2_1f1b_over_four_micro_batches_matches_its_control(config, extra, tmp_path):
+@pytest.mark.parametrize("config, extra", FOUR_MICRO)
+def test_pp2_1f1b_over_four_micro_batches_matches_its_control(config, extra, runs):
     """Micro-batch 2 x accumulation 4: the 1F1B schedule interleaves forwards and backwards, and
     DeepSpeed's division of the loss by the accumulation steps is undone exactly. The router
     losses are per micro-batch, so the control runs the same micro-batches on one process.
@@ -123,11 +141,8 @@ def test_pp2_1f1b_over_four_micro_batches_matches_its_control(config, extra, tmp
     them). Under ZeRO-0 fp32 DeepSpeed's own clipping would count it twice and clip steps it
     should not (grad norm off by 3e-4 at step 7 here); the trainer clips with its norm instead.
     """
-    ds = ds_variant(tmp_path, config, train_micro_batch_size_per_gpu=2,
-                    gradient_accumulation_steps=4)
-    launch(tmp_path / "control", ds, nproc=1, extra=RECIPE_JITTER + extra)
-    launch(tmp_path / "pp2", ds, extra=RECIPE_JITTER + extra + PP2)
-    _assert_same_metrics(rows(tmp_path / "control"), rows(tmp_path / "pp2"), (config, extra))
+    _assert_same_metrics(rows(runs[f"4micro-control-{config}"]), rows(runs[f"4micro-pp2-{config}"]),
+                         (config, extra))
 
 
 @pytest.mark.parametrize("config, extra, message", [
@@ -165,12 +180,12 @@ def _check_experts(control, run_dir):
     assert not torch.allclose(held[0], held[1])
 
 
-def test_ep2_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
+def test_ep2_kill_and_resume_reproduces_the_uninterrupted_run(warm_launcher, runs, tmp_path):
     extra = LAYOUTS["ep2"][1] + ["train.save_every=3"]
-    full = tmp_path / "full"
-    launch(full, "ds_configs/zero2_fp32.json", extra=extra)
+    full = runs["ep2-full"]
     run_dir = tmp_path / "killed"
     kill_after_step(launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra, wait=False), run_dir, 7)
-    launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra)
+    warm = warm_launcher                 # the same command again
+    warm.launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra)
     for a, b in zip(rows(full), rows(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]

@@ -4,7 +4,8 @@ A run trains to step 5 and stops, ``launch/to_universal.py`` converts its checkp
 same command resumes at the new layout with ``"checkpoint": {"load_universal": true}`` to step
 10; its losses must continue those of an uninterrupted run at the old layout.
 
-The scheduler's lengths are explicit in the JSON (not "auto"), so ``--steps 5`` and then
+The runs are made once per module, a world size's one after another in one launched process
+group. The scheduler's lengths are explicit in the JSON (not "auto"), so ``--steps 5`` and then
 ``--steps 10`` follow the 10-step schedule of the control. The global batch is the same on both
 sides (2 ranks x micro 8 -> 1 rank x micro 8 x accumulation 2), so the data order continues.
 
@@ -25,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from tests.runs import REPO, env, launch, rows
+from tests.runs import REPO, env, rows
 
 NO_JITTER = ["model.moe.router_jitter=0.0"]   # noise is seeded by the dp coordinate: a dp change redraws it
 SAVE5 = ["train.save_every=5"]
@@ -54,88 +55,93 @@ def _assert_continues(ref: list[dict], got: list[dict]) -> None:
         assert (b["lr"], b["tokens"]) == (a["lr"], a["tokens"]), a["step"]
 
 
+LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2"], "ep2": ["parallel.expert_parallel_size=2"]}
+MODEL_PARALLEL_CHANGES = [("zero1_fp32", "ep2", "tp2"), ("zero3_fp32", "tp2", "ep2")]
+# eval.batches counts micro-batches per rank: 4 x 8 on one rank = 2 x 8 on each of two.
+ONE_RANK = NO_JITTER + SAVE5 + ["eval.batches=4"]
+
+
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    """2 data-parallel ranks, ZeRO-2: the uninterrupted control and a run stopped at step 5."""
-    tmp = tmp_path_factory.mktemp("dp2")
+def runs(warm_launcher, tmp_path_factory):
+    """Every run of the module, made once, each the command a user types: the runs stopped at
+    step 5 and their uninterrupted controls (one launched 2-rank process group, one run after
+    another), ``launch/to_universal.py`` on copies of them, then the resumes at the new layouts
+    (the one-rank resume twice: the second finds the native checkpoint the first saved).
+    Returns the folder and the JSON of the 2-rank dp run."""
+    tmp = tmp_path_factory.mktemp("universal")
     config = _config(tmp, "zero2")
-    launch(tmp / "control", config, extra=NO_JITTER + SAVE5)
-    launch(tmp / "stopped", config, extra=NO_JITTER + SAVE5, steps=5)
+    stopped = [(tmp / "dp2-control", config, NO_JITTER + SAVE5), (tmp / "dp2-stopped", config, NO_JITTER + SAVE5, 5)]
+    resumes = []
+    for base, source, target in MODEL_PARALLEL_CHANGES:
+        # tp and ep changes keep the router noise (seeded without them): jitter stays on.
+        cfg = _config(tmp, base, base=base)
+        stopped += [(tmp / f"{base}-{source}-control", cfg, LAYOUTS[source]),
+                    (tmp / f"{base}-{source}-to-{target}", cfg, LAYOUTS[source] + SAVE5, 5)]
+        resumes.append((tmp / f"{base}-{source}-to-{target}",
+                        _config(tmp, f"{base}_universal", base=base, checkpoint={"load_universal": True}),
+                        LAYOUTS[target] + SAVE5))
+    warm = warm_launcher
+    warm.launch_many(stopped)
+    shutil.copytree(tmp / "dp2-stopped", tmp / "dp2-to-one-rank")
+    for run_dir in [tmp / "dp2-to-one-rank"] + [r[0] for r in resumes]:
+        out = _to_universal(run_dir)
+        assert out.returncode == 0, out.stderr[-2000:]
+    warm.launch_many(resumes)
+    one_rank = _config(tmp, "acc2", gradient_accumulation_steps=2, checkpoint={"load_universal": True})
+    warm.launch_many([(tmp / "dp2-to-one-rank", one_rank, ONE_RANK)] * 2, nproc=1)
     return tmp, config
 
 
-def test_dp2_to_one_rank_resumes_exactly_through_ds_to_universal(dp2, tmp_path):
-    tmp, _ = dp2
-    run_dir = tmp_path / "run"
-    shutil.copytree(tmp / "stopped", run_dir)
-    out = _to_universal(run_dir)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_dp2_to_one_rank_resumes_exactly_through_ds_to_universal(runs):
+    tmp, _ = runs
+    run_dir = tmp / "dp2-to-one-rank"
     universal = run_dir / "checkpoints" / "universal"
     assert (universal / "latest_universal").read_text() == "step00000005"
     assert (universal / "step00000005" / "zero" / "norm.weight" / "exp_avg.pt").is_file()
-
-    resume = _config(tmp_path, "acc2", gradient_accumulation_steps=2,
-                     checkpoint={"load_universal": True})
-    # eval.batches counts micro-batches per rank: 4 x 8 on one rank = 2 x 8 on each of two.
-    one_rank = NO_JITTER + SAVE5 + ["eval.batches=4"]
-    launch(run_dir, resume, nproc=1, extra=one_rank)
-    log = (tmp_path / "run.log").read_text()
-    assert f"resumed from {run_dir / 'checkpoints' / 'step00000005'}" in log
-    _assert_continues(rows(tmp / "control"), rows(run_dir))
+    log = (tmp / "dp2-to-one-rank.log").read_text()
+    resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
+    assert resumed[0] == f"resumed from {run_dir / 'checkpoints' / 'step00000005'}", resumed
+    _assert_continues(rows(tmp / "dp2-control"), rows(run_dir))
     evals = [[r["eval_loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-              if "eval_loss" in r] for d in (tmp / "control", run_dir)]
+              if "eval_loss" in r] for d in (tmp / "dp2-control", run_dir)]
     assert evals[1] == pytest.approx(evals[0], rel=1e-6) and len(evals[1]) == 2
 
-    # The resumed run saved step 10 at its own layout: the same command now resumes from that
+    # The resumed run saved step 10 at its own layout: the same command again resumes from that
     # native checkpoint, not from the older conversion (and has nothing left to train).
-    launch(run_dir, resume, nproc=1, extra=one_rank)
-    log = (tmp_path / "run.log").read_text()
-    assert f"resumed from {run_dir / 'checkpoints' / 'step00000010'}" in log
+    assert resumed[1:] == [f"resumed from {run_dir / 'checkpoints' / 'step00000010'}"], resumed
     assert len(rows(run_dir)) == 10
 
 
-def test_resuming_at_another_layout_without_conversion_is_one_line(dp2, tmp_path):
-    tmp, config = dp2
+def test_resuming_at_another_layout_without_conversion_is_one_line(warm_launcher, runs, tmp_path):
+    tmp, config = runs
     run_dir = tmp_path / "run"
-    shutil.copytree(tmp / "stopped", run_dir)
-    proc = launch(run_dir, config, nproc=1, extra=NO_JITTER + SAVE5, wait=False)
-    assert proc.wait(timeout=300) == 2
+    shutil.copytree(tmp / "dp2-stopped", run_dir)
+    warm = warm_launcher
+    assert warm.launch(run_dir, config, nproc=1, extra=NO_JITTER + SAVE5, check=False) == 2
     log = (tmp_path / "run.log").read_text().splitlines()
     errors = [ln for ln in log if ln.startswith("error:")]
     assert len(errors) == 1, errors
     assert "data-parallel size 2" in errors[0] and "launch/to_universal.py" in errors[0]
 
 
-LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2"], "ep2": ["parallel.expert_parallel_size=2"]}
-
-
-@pytest.mark.parametrize("base, source, target", [("zero1_fp32", "ep2", "tp2"),
-                                                  ("zero3_fp32", "tp2", "ep2")])
-def test_model_parallel_change_resumes_exactly(base, source, target, tmp_path):
+@pytest.mark.parametrize("base, source, target", MODEL_PARALLEL_CHANGES)
+def test_model_parallel_change_resumes_exactly(base, source, target, runs):
     """Experts split over ep (dim 0) <-> every weight split over tp (column dim 0, row dim 1):
     the shards merge by the affine maps built from each parameter's ``shard_spec`` and are cut
     again for the new ranks. dp = 1 on both sides: global batch 8. ZeRO-3 also needs the
-    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (training/checkpoint.py)."""
-    config = _config(tmp_path, base, base=base)
-    # tp and ep changes keep the router noise (seeded without them): jitter stays on.
-    launch(tmp_path / "control", config, extra=LAYOUTS[source])
-    run_dir = tmp_path / "run"
-    launch(run_dir, config, extra=LAYOUTS[source] + SAVE5, steps=5)
-    out = _to_universal(run_dir)
-    assert out.returncode == 0, out.stderr[-2000:]
-    resume = _config(tmp_path, f"{base}_universal", base=base, checkpoint={"load_universal": True})
-    launch(run_dir, resume, extra=LAYOUTS[target] + SAVE5)
-    _assert_continues(rows(tmp_path / "control"), rows(run_dir))
+    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (training/checkpoint/resume.py)."""
+    tmp, _ = runs
+    _assert_continues(rows(tmp / f"{base}-{source}-control"), rows(tmp / f"{base}-{source}-to-{target}"))
 
 
 @pytest.mark.parametrize("tp, ep, placement", [(2, 1, "contiguous"), (1, 2, "contiguous"),
                                                 (2, 2, "round_robin"), (4, 1, "contiguous")])
 def test_shard_maps_cut_and_merge_every_parameter_like_its_shard_spec(tp, ep, placement):
-    from training.shard_maps import shard_maps
+    from training.checkpoint.shard_maps import shard_maps
     from model import Transformer
     from model.parallel.groups import ParallelGroups
     from model.parallel.layers import take_shard
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     from tests.runs import SMALL
     cfg = load_recipe(None, SMALL).model
     full = {n: p.detach() for n, p in Transformer(cfg, None, init_seed=3).named_parameters()}

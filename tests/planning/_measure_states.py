@@ -84,8 +84,8 @@ def main(out_path: str) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from training.ds_config import load_ds_config, validate_ds_config
-    from training.recipe import load_recipe
+    from training.config.ds_config import load_ds_config, validate_ds_config
+    from training.config.recipe import load_recipe
     from model import Transformer
 
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launch import train  # noqa: E402
-from training import stepping  # noqa: E402
+from training.step import stepper  # noqa: E402
 
 
 OPTIMIZER = "optimizer_step"
@@ -35,7 +35,7 @@ def _events(nodes):
 
 
 peaks: dict[int, dict] = {}
-train_step = stepping.Stepper.train_step
+train_step = stepper.Stepper.train_step
 
 
 def profiled_train_step(self, step, batches):
@@ -94,7 +94,7 @@ def _op_path(event) -> list[str]:
     return names
 
 
-stepping.Stepper.train_step = profiled_train_step
+stepper.Stepper.train_step = profiled_train_step
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -13,8 +13,8 @@ from launch import estimate_memory
 from planning import estimator as em
 from planning.build_memory import build_bytes, largest_draw
 from planning.memory_model import Layout
-from training.ds_config import load_ds_config
-from training.recipe import load_recipe
+from training.config.ds_config import load_ds_config
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9

@@ -23,7 +23,7 @@ import pytest
 from planning import cost_model as cm
 from planning.hardware import DEVICES, cluster
 from training.hardware import train_flops_per_token
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 H100, A100 = DEVICES["h100-80gb"], DEVICES["a100-80gb"]

@@ -31,8 +31,8 @@ from launch import estimate_memory
 from tests.distributed import free_port
 from planning import estimator as em
 from planning import memory_model as mm
-from training.ds_config import load_ds_config
-from training.recipe import load_recipe
+from training.config.ds_config import load_ds_config
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 GB = 1e9

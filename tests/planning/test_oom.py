@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from training import ds_config, preflight
+from training.config import ds_config
+from training.run import preflight
 from planning import next_layout, oom
 from launch import train
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 from tests.runs import REPO, SMALL, ds_variant, env
-from training.stepping import StepContext
+from training.step.stepper import StepContext
 
 OOM_AT_CALL = 6
 SECTIONS = ("## Where", "## Layout", "## Memory: estimate vs allocator", "## Largest live tensors",
@@ -106,7 +107,7 @@ def test_report_says_where_the_trainer_last_recorded(tmp_path):
     recorded anything (an error in start-up) it says start-up."""
     args = train.parse_args(["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(tmp_path / "run"),
                              "--set", *SMALL])
-    plan = train.prepare(args)
+    plan = preflight.prepare(args)
     err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
     assert oom.report(err, plan, args).startswith("error: out of memory at start-up (rank 0); report: ")
     line = oom.report(err, plan, args, StepContext(phase="checkpoint save", step=7))
@@ -156,7 +157,7 @@ def test_ladder_on_eight_gpus(tmp_path, monkeypatch):
     args = train.parse_args(["--config", "ds_configs/zero1.json", "--recipe", "recipes/mixtral_8x7b.yaml",
                              "--run-dir", str(tmp_path), "--set", "parallel.pipeline_parallel_size=1"])
     ds = ds_config_for(args.config, recipe, dp=1)
-    plan = train.Plan(recipe, ds, tmp_path, 8, 1, None)
+    plan = preflight.Plan(recipe, ds, tmp_path, 8, 1, None)
     ctx = type("Ctx", (), {"rank": 0, "device": torch.device("cuda", 0), "gpu": oom.GPUS["h100-80gb"]})()
     alloc = {"gpu": {"device_total": 80e9, "allocated": 70e9}, "cpu": {}}
     est = oom._estimate(plan, ctx, ctx.device, alloc, 20 * 2 ** 30)
@@ -191,8 +192,8 @@ def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch, tmp_p
     from types import SimpleNamespace
     plan = SimpleNamespace(run_dir=tmp_path / "run", world_size=1,
                            recipe=SimpleNamespace(train=SimpleNamespace(hang_timeout_s=0.0)))
-    monkeypatch.setattr(train, "prepare", lambda args: plan)
-    monkeypatch.setattr(train, "train", lambda plan, where, dog: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(train.Run, "prepare", classmethod(lambda cls, args: cls(plan)))
+    monkeypatch.setattr(train.Run, "train", lambda run: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         train.main(["--config", "ds_configs/zero1.json"])
 

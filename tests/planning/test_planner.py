@@ -99,7 +99,7 @@ def test_plan_prints_the_breakdown_and_both_mfus(capsys):
     tokens = result["global_batch"] * 4096
     assert best["tokens_per_s_per_gpu"] == pytest.approx(tokens / best["step_s"] / 64)
     # MFU in both conventions: 6 x matmul weights + 6 or 12 L h s of attention, over the peak
-    from training.recipe import load_recipe
+    from training.config.recipe import load_recipe
     shape = Shape.from_config(load_recipe("recipes/mixtral_8x7b.yaml").model)
     for key, causal in (("mfu", True), ("mfu_full_attn", False)):
         want = best["tokens_per_s_per_gpu"] * shape.flops_per_token(4096, causal) / 989e12

@@ -17,7 +17,7 @@ from model import Transformer
 from model.parallel.groups import ParallelGroups
 from planning import memory_model as mm
 from planning.build_memory import largest_draw
-from training.recipe import load_recipe
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = ["model.moe.score_function=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2",

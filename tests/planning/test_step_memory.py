@@ -34,17 +34,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from planning import estimator as em
-from tests.distributed import free_port
-from tests.runs import SMALL, ds_variant, env
-from training.ds_config import load_ds_config
-from training.recipe import load_recipe
+from tests.runs import SMALL, ds_variant
+from training.config.ds_config import load_ds_config
+from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 WIDE = ["model.hidden_size=512", "model.num_layers=4", "model.ffn_hidden_size=256",
@@ -55,20 +52,17 @@ TIGHT = {"forward_backward": 0.5, "optimizer_step": 0.8}
 STEPS = (2, 3, 4)                       # the profiled steps; step 1 allocates DeepSpeed's buffers
 
 
-def _measure(tmp_path: Path, config: str, layout: list[str]) -> list[dict]:
+def _measure(warm, tmp_path: Path, config: str, layout: list[str]) -> list[dict]:
     out = tmp_path / "peaks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(REPO / "tests" / "planning" / "_step_memory_run.py"),
-           "--config", config, "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS[-1]),
-           "--set", *SMALL, *WIDE, *layout]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "STEP_MEMORY": str(out)},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    warm.script("tests/planning/_step_memory_run.py",
+                ["--config", config, "--run-dir", str(tmp_path / "run"), "--steps", str(STEPS[-1]),
+                 "--set", *SMALL, *WIDE, *layout], tmp_path / "run.log", timeout=600,
+                extra_env={"STEP_MEMORY": str(out)})
     return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_zero3_step_peak_within_the_estimate(tmp_path, name):
+def test_zero3_step_peak_within_the_estimate(warm_launcher, tmp_path, name):
     config = ds_variant(tmp_path, "zero3_fp32", train_micro_batch_size_per_gpu=2)
     recipe = load_recipe(REPO / "recipes" / "tiny_mixtral.yaml", SMALL + WIDE + LAYOUTS[name])
     ds = load_ds_config(config)
@@ -78,7 +72,7 @@ def test_zero3_step_peak_within_the_estimate(tmp_path, name):
     bound = {"forward_backward": stage["activations"]["total"] + buffers["reduce_bucket"]
              + buffers["zero3_gather"] + buffers["all_to_all"],
              "optimizer_step": buffers["optimizer_step"]}
-    ranks = _measure(tmp_path, config, LAYOUTS[name])
+    ranks = _measure(warm_launcher, tmp_path, config, LAYOUTS[name])
     for rank, steps in enumerate(ranks):
         for step in STEPS:
             print(name, f"rank {rank} step {step}:", ", ".join(

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launch import train  # noqa: E402
-from training import stepping  # noqa: E402
+from training.step import stepper  # noqa: E402
 
 OURS = tuple(str(REPO / d) + os.sep for d in ("model", "training", "launch"))
 COMM = os.path.join("model", "parallel", "comm.py")
@@ -48,7 +48,7 @@ def counted_all_reduce(*args, **kwargs):
 
 
 counts: dict[int, dict] = {}
-train_step = stepping.Stepper.train_step
+train_step = stepper.Stepper.train_step
 
 
 def counted_train_step(self, step, batches):
@@ -65,7 +65,7 @@ def counted_train_step(self, step, batches):
 
 
 dist.all_reduce = counted_all_reduce
-stepping.Stepper.train_step = counted_train_step
+stepper.Stepper.train_step = counted_train_step
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launch import train  # noqa: E402
-from training import stepping  # noqa: E402
+from training.step import stepper  # noqa: E402
 
 ALWAYS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy",
           "nonzero", "bincount", "unique", "masked_select"}
@@ -65,7 +65,7 @@ class CountSyncs(TorchFunctionMode):
 
 
 counts: dict[int, dict] = {}
-train_step = stepping.Stepper.train_step
+train_step = stepper.Stepper.train_step
 
 
 def counted_train_step(self, step, batches):
@@ -76,7 +76,7 @@ def counted_train_step(self, step, batches):
     return out
 
 
-stepping.Stepper.train_step = counted_train_step
+stepper.Stepper.train_step = counted_train_step
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))

@@ -3,7 +3,7 @@
     _data_order_run.py OUT STEPS TRAIN_ARGS...
 
 builds the trainer's data exactly as ``launch/train.py`` does (``train.prepare``, the process
-groups, ``run_setup.build_tokenizer`` and ``build_data``) and writes ``OUT.rank<r>.npz``: this
+groups, ``Run.build_data``) and writes ``OUT.rank<r>.npz``: this
 rank's input ids of optimizer steps 0..STEPS-1 (STEPS x per-rank samples x seq_len), its
 validation inputs, and ``tokens_by_source`` after each step (as JSON).
 """
@@ -18,22 +18,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch import train  # noqa: E402
-from training import run_setup  # noqa: E402
+from training.run.distributed import exit_now  # noqa: E402
+from training.run.trainer import Run  # noqa: E402
 
 
 def main() -> None:
     out, steps, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    plan = train.prepare(train.parse_args(argv))
-    ctx = run_setup.init_distributed(plan.recipe)
-    tokenizer = run_setup.build_tokenizer(plan.recipe, plan.init_from, ctx)
-    sampler, val = run_setup.build_data(plan.recipe, plan.ds, tokenizer, plan.dp_size, ctx)
+    run = Run.prepare(train.parse_args(argv))
+    ctx = run.join_job()
+    run.build_data()
+    sampler, val = run.sampler, run.val_batches
     ids = np.stack([torch.cat([i for i, _ in sampler.batches_for_step(s)]).numpy() for s in range(steps)])
     seen = [sampler.tokens_by_source(s + 1) for s in range(steps)]
     np.savez(f"{out}.rank{ctx.rank}.npz", ids=ids, val=torch.cat([i for i, _ in val]).numpy(),
              seen=json.dumps(seen), dp_rank=ctx.groups.dp_rank)
-    run_setup.shutdown()
+    run.finish()
 
 
 if __name__ == "__main__":
     main()
-    run_setup.exit_now(0)
+    exit_now(0)

@@ -9,12 +9,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import stepping  # noqa: E402
+from training.step import stepper  # noqa: E402
 
 
 def host_stats(self, device):
     return torch.zeros(self.stats.size, dtype=torch.float64, device="cpu")
 
 
-stepping.Stepper._stats_vector = host_stats
+stepper.Stepper._stats_vector = host_stats
 runpy.run_path(str(Path(__file__).with_name("_device_contract_run.py")), run_name="__main__")

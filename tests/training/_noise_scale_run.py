@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launch import train  # noqa: E402
-from training import stepping  # noqa: E402
+from training.step import stepper  # noqa: E402
 
-_original = stepping.Stepper.train_step
+_original = stepper.Stepper.train_step
 
 
 def _replay_then_step(self, step, batches):
@@ -36,7 +36,7 @@ def _replay_then_step(self, step, batches):
     return _original(self, step, batches)
 
 
-stepping.Stepper.train_step = _replay_then_step
+stepper.Stepper.train_step = _replay_then_step
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Run on every rank by the checkpoint fault tests: ``launch.train.main(argv)`` with the writes of
 the files of one checkpoint tag (env ``FAULT_TAG``, e.g. ``step00000006``) interfered with, on the
 rank ``FAULT_RANK`` (default: every rank): ``torch.save`` to a path (DeepSpeed's writes with
-``train.async_save`` false) and ``training.saving._write_file`` (the background writer's):
+``train.async_save`` false) and ``training.checkpoint.saving._write_file`` (the background writer's):
 
 - ``FAULT=hold``: write the file, cut it to half its size, touch ``$FAULT_MARK.<rank>`` and
   sleep, so that the test can SIGKILL the run in the middle of a save;
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch import train  # noqa: E402
-from training import saving  # noqa: E402
+from training.checkpoint import saving  # noqa: E402
 
 _save, _write_file = torch.save, saving._write_file
 

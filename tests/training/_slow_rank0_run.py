@@ -9,9 +9,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch import train  # noqa: E402
-from training import run_setup  # noqa: E402
+from training.data import build  # noqa: E402
 
-load_tokenizer = run_setup.load_tokenizer
+load_tokenizer = build.load_tokenizer
 
 
 def slow_on_rank0(*args, **kwargs):
@@ -20,7 +20,7 @@ def slow_on_rank0(*args, **kwargs):
     return load_tokenizer(*args, **kwargs)
 
 
-run_setup.load_tokenizer = slow_on_rank0
+build.load_tokenizer = slow_on_rank0
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))

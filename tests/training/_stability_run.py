@@ -18,8 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from training import ds_config, preflight, run_setup, stepping  # noqa: E402
-from training.recipe import load_recipe  # noqa: E402
+from training.run import trainer  # noqa: E402
+from training.run.distributed import exit_now  # noqa: E402
+from training.run.preflight import plan_for  # noqa: E402
+from training.step.stepper import Stepper  # noqa: E402
 
 SPIKE_SCALE = 30.0
 
@@ -32,14 +34,13 @@ def local(p: torch.Tensor) -> torch.Tensor:
 
 def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE},1") -> None:
     values = [float(v) for v in scales.split(",")]
-    recipe = load_recipe(None, ["model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32",
-                                "model.max_seq_len=16", "data.seq_len=16", f"train.spike_action={action}",
-                                "train.spike_window=2", "train.spike_factor=1.5", f"train.steps={len(values)}"])
-    ds = preflight.resolve_ds_config(ds_config.validate_ds_config(ds_config.load_ds_config(config), 1), recipe)
-    ctx = run_setup.init_distributed(recipe)
-    model = run_setup.build_model(recipe, None, ctx.groups)
-    engine = run_setup.build_engine(model, ds, recipe.train.steps, ctx.groups)
-    stepper = stepping.Stepper(engine, recipe, ds, ctx, 1)
+    run = trainer.Run(plan_for(config, sets=[
+        "model.hidden_size=32", "model.num_layers=2", "model.ffn_hidden_size=32", "model.max_seq_len=16",
+        "data.seq_len=16", f"train.spike_action={action}", "train.spike_window=2",
+        "train.spike_factor=1.5", f"train.steps={len(values)}"]))
+    run.join_job()
+    run.build_model()
+    stepper, model, engine, ds = run.build_stepper(), run.model, run.engine, run.plan.ds
     gen = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 4096, (ds["train_micro_batch_size_per_gpu"], 16), generator=gen),) * 2]
     scale = {"value": 1.0}
@@ -60,7 +61,7 @@ def stepper_run(config: str, action: str, scales: str = f"1,1,1,nan,{SPIKE_SCALE
 def trainer_run(spike_step: int, argv: list[str]) -> int:
     from launch import train
     now = {"step": None}                 # the optimizer step being trained
-    build_model, train_step = run_setup.build_model, stepping.Stepper.train_step
+    build_model, train_step = trainer.build_model, Stepper.train_step
 
     def build_with_spike(*args, **kwargs):
         model = build_model(*args, **kwargs)
@@ -76,12 +77,12 @@ def trainer_run(spike_step: int, argv: list[str]) -> int:
         now["step"] = step
         return train_step(self, step, batches)
 
-    run_setup.build_model = build_with_spike
-    stepping.Stepper.train_step = train_step_recorded
+    trainer.build_model = build_with_spike
+    Stepper.train_step = train_step_recorded
     return train.main(argv)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--trainer":       # leaves as the trainer does (no gloo finalization)
-        run_setup.exit_now(trainer_run(int(sys.argv[2]), sys.argv[3:]))
+        exit_now(trainer_run(int(sys.argv[2]), sys.argv[3:]))
     stepper_run(*sys.argv[1:])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.runs import WarmLauncher, ds_variant, rows
+from tests.runs import ds_variant, rows
 from tests.training.test_host_syncs import MODERN
 
 LAYERS = 4            # tiny Mixtral's own depth
@@ -31,7 +31,7 @@ COUNT_RUN = "tests/training/_count_allreduce_run.py"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(warm_launcher, tmp_path_factory) -> dict[str, Path]:
     """Every run of this module, counted by ``_count_allreduce_run.py`` (which only counts: it
     changes no value): 2 ranks at EP2, micro-batch 2, 4 layers, 4 steps, eval off; fp32 ZeRO-1 at
     accumulation 1 and 4, the loss-free-balancing model at 4, and fp32 ZeRO-2 at 4. Each name maps
@@ -39,17 +39,17 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     ``<prefix>-run``."""
     tmp = tmp_path_factory.mktemp("allreduce")
     out = {}
-    with WarmLauncher() as warm:
-        for name, stage, accumulation, extra in (("acc1", 1, 1, ()), ("acc4", 1, 4, ()),
-                                                 ("acc4-modern", 1, 4, MODERN),
-                                                 ("acc4-zero2", 2, 4, ())):
-            out[name] = tmp / name
-            config = ds_variant(tmp, f"zero{stage}_fp32", train_micro_batch_size_per_gpu=2,
-                                gradient_accumulation_steps=accumulation)
-            warm.launch(tmp / f"{name}-run", config, nproc=2, steps=STEPS, script=COUNT_RUN,
-                        extra=["parallel.expert_parallel_size=2", "eval.every=0",
-                               f"model.num_layers={LAYERS}", *extra],
-                        extra_env={"ALLREDUCE_COUNTS": str(out[name])})
+    warm = warm_launcher
+    for name, stage, accumulation, extra in (("acc1", 1, 1, ()), ("acc4", 1, 4, ()),
+                                             ("acc4-modern", 1, 4, MODERN),
+                                             ("acc4-zero2", 2, 4, ())):
+        out[name] = tmp / name
+        config = ds_variant(tmp, f"zero{stage}_fp32", train_micro_batch_size_per_gpu=2,
+                            gradient_accumulation_steps=accumulation)
+        warm.launch(tmp / f"{name}-run", config, nproc=2, steps=STEPS, script=COUNT_RUN,
+                    extra=["parallel.expert_parallel_size=2", "eval.every=0",
+                           f"model.num_layers={LAYERS}", *extra],
+                    extra_env={"ALLREDUCE_COUNTS": str(out[name])})
     return out
 
 

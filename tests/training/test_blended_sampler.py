@@ -1,4 +1,4 @@
-"""training/data.py's BlendedSampler and validation windows on synthetic token streams: a step's
+"""training/data/batches.py's BlendedSampler and validation windows on synthetic token streams: a step's
 tokens do not depend on micro-batch, accumulation or data-parallel size; a resume continues the
 same order; epochs cover every window once; a 0.7 / 0.3 blend holds its shares; the validation
 batches do not depend on the layout."""
@@ -11,8 +11,7 @@ import torch
 
 from data_pipeline.sampling import TokenStream
 from model.transformer import IGNORE_INDEX
-from training.data import (BatchLayout, BlendedSampler, blended_validation_windows, text_windows,
-                           validation_batches)
+from training.data.batches import (BatchLayout, BlendedSampler, blended_validation_windows, text_windows, validation_batches)
 
 
 def _stream(start: int, n: int, dtype=np.uint16, pieces: int = 1) -> TokenStream:

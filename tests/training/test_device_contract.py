@@ -10,14 +10,11 @@ statistics, evaluation sums). ``test_the_check_sees_a_host_tensor`` proves the c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
-from tests.runs import SMALL, env
+from tests.runs import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 RUNS = {"dp2-zero0-fp32": ("ds_configs/zero0_fp32.json", []),
@@ -25,29 +22,26 @@ RUNS = {"dp2-zero0-fp32": ("ds_configs/zero0_fp32.json", []),
         "pp2-zero0-fp32": ("ds_configs/zero0_fp32.json", ["parallel.pipeline_parallel_size=2"])}
 
 
-def _run(tmp_path: Path, config: str, extra: list[str], script: str = "_device_contract_run.py"):
+def _run(warm, tmp_path: Path, config: str, extra: list[str], script: str = "_device_contract_run.py"):
     out = tmp_path / "violations"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(REPO / "tests" / "training" / script), "--config", config,
-           "--run-dir", str(tmp_path / "run"), "--steps", "2", "--set", *SMALL, "eval.every=2",
-           *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "DEVICE_CONTRACT": str(out)},
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    warm.script(f"tests/training/{script}",
+                ["--config", config, "--run-dir", str(tmp_path / "run"), "--steps", "2", "--set", *SMALL,
+                 "eval.every=2", *extra], tmp_path / "run.log", timeout=400,
+                extra_env={"DEVICE_CONTRACT": str(out)})
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any("eval_loss" in r for r in rows), "the run did not evaluate"
     return [v for r in range(2) for v in json.loads(Path(f"{out}.{r}.json").read_text())]
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_collectives_get_device_tensors(tmp_path, name):
+def test_collectives_get_device_tensors(warm_launcher, tmp_path, name):
     config, extra = RUNS[name]
-    assert _run(tmp_path, config, extra) == []
+    assert _run(warm_launcher, tmp_path, config, extra) == []
 
 
-def test_the_check_sees_a_host_tensor(tmp_path):
+def test_the_check_sees_a_host_tensor(warm_launcher, tmp_path):
     """The stats vector made on the host, as the trainer once did: every step's all-reduce of it
     is reported."""
-    found = _run(tmp_path, "ds_configs/zero1_fp32.json", [], script="_device_contract_host_stats.py")
+    found = _run(warm_launcher, tmp_path, "ds_configs/zero1_fp32.json", [], script="_device_contract_host_stats.py")
     assert found and {v["collective"] for v in found} == {"all_reduce"}, found
     assert all("_device_contract_host_stats.py" in v["tensor"] for v in found), found

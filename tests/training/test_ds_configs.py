@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.distributed import free_port
-from training import ds_config as dsc
-from training.optim import apply_lr_scaling, maybe_build_client_optimizer
-from training.schedules import DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, build_scheduler, resolve_auto, split_scheduler
+from training.config import ds_config as dsc
+from training.optim.optimizers import apply_lr_scaling, maybe_build_client_optimizer
+from training.optim.schedules import (DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, build_scheduler, resolve_auto, split_scheduler)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
@@ -243,9 +243,9 @@ def test_load_errors(tmp_path):
 _ENGINE_SCRIPT = r"""
 import json, sys, torch, deepspeed
 sys.path.insert(0, sys.argv[1])
-from training.ds_config import load_ds_config, validate_ds_config
-from training.optim import apply_lr_scaling, maybe_build_client_optimizer, param_groups
-from training.schedules import build_scheduler, resolve_auto, split_scheduler
+from training.config.ds_config import load_ds_config, validate_ds_config
+from training.optim.optimizers import apply_lr_scaling, maybe_build_client_optimizer, param_groups
+from training.optim.schedules import build_scheduler, resolve_auto, split_scheduler
 cfg = load_ds_config(f"{sys.argv[1]}/ds_configs/zero0_lamb.json")
 cfg["scheduler"] = load_ds_config(f"{sys.argv[1]}/ds_configs/zero2_wsd.json")["scheduler"]
 cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = 2, 1

@@ -12,8 +12,9 @@ import torch
 
 from model import MixtralConfig
 from model.parallel import draw
-from training import hardware, run_setup
-from training.recipe import load_recipe
+from training import hardware
+from training.run import distributed
+from training.config.recipe import load_recipe
 
 
 class _Stop(Exception):
@@ -38,7 +39,7 @@ def test_set_device_and_tf32_come_before_the_process_group(monkeypatch, tf32):
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         with pytest.raises(_Stop):
-            run_setup.init_distributed(recipe)
+            distributed.init_distributed(recipe)
         assert calls == [("set_device", 3), ("init_distributed", tf32)]
         assert torch.backends.cudnn.allow_tf32 is tf32
     finally:
@@ -54,9 +55,9 @@ def test_mfu_and_mfu_full_attn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3e9)
     ctx = types.SimpleNamespace(device=torch.device("cuda", 0), world_size=8,
                                 gpu=hardware.detect_gpu("NVIDIA H200"))
-    fpt = run_setup.DistContext.flops_per_token(ctx, cfg, recipe)
+    fpt = distributed.DistContext.flops_per_token(ctx, cfg, recipe)
     row = {"tokens_per_s": 8 * 1000.0}
-    run_setup.DistContext.add_gpu_metrics(ctx, row, fpt)
+    distributed.DistContext.add_gpu_metrics(ctx, row, fpt)
     peak = ctx.gpu.bf16_tflops * 1e12
     matmul = 6 * hardware.matmul_params_per_token(cfg)
     assert row["mfu"] == pytest.approx(1000 * (matmul + 6 * 2 * 256 * 128) / peak, rel=1e-12)

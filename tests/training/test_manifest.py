@@ -1,5 +1,5 @@
-"""Checkpoint manifests (``training/manifest.py``) and the checkpoint folder rules built on them
-(``candidates``, ``_prunable`` in ``training/saving.py``), on small files in one process:
+"""Checkpoint manifests (``training/checkpoint/manifest.py``) and the checkpoint folder rules built on them
+(``candidates``, ``_prunable`` in ``training/checkpoint/saving.py``), on small files in one process:
 ``verify`` runs without a process group (its all-reduce is then a no-op), and the ranks' shares
 are exercised by calling each rank's part in turn.
 """
@@ -13,7 +13,9 @@ import zlib
 import pytest
 import torch
 
-from training import checkpoint, manifest, saving
+from training.checkpoint import layout, resume
+from training.checkpoint import manifest
+from training.checkpoint import saving
 
 CPU = torch.device("cpu")
 FILES = {"mp_rank_00_model_states.pt": b"m" * 1000,
@@ -23,7 +25,7 @@ FILES = {"mp_rank_00_model_states.pt": b"m" * 1000,
 
 
 def _saved(folder, world=2):
-    """``folder`` with FILES and its manifest, as ``checkpoint.save`` leaves it at ``world`` ranks."""
+    """``folder`` with FILES and its manifest, as a save leaves it at ``world`` ranks."""
     for name, data in FILES.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
@@ -89,18 +91,18 @@ def test_merge_refuses_a_file_that_changed_after_hashing(tmp_path):
 def test_resume_candidates_and_pruning(tmp_path):
     ckpt = tmp_path / "checkpoints"
     for step in (3, 6, 9, 12):
-        _saved(ckpt / checkpoint.tag_for_step(step), world=1)
+        _saved(ckpt / layout.tag_for_step(step), world=1)
     for step in (5, 15):                                  # saves that never got their manifest
-        (ckpt / checkpoint.tag_for_step(step)).mkdir()
+        (ckpt / layout.tag_for_step(step)).mkdir()
     (ckpt / "latest").write_text("step00000099")          # a folder that is gone
-    assert checkpoint.candidates(ckpt) == ["step00000099", "step00000015", "step00000012",
+    assert layout.candidates(ckpt) == ["step00000099", "step00000015", "step00000012",
                                            "step00000009", "step00000006", "step00000005",
                                            "step00000003"]
     # After step 9 was saved (a resume from an older checkpoint): 12 and 15 are newer, kept.
     prune = saving._prunable(ckpt, "step00000009", keep_last=2)
     assert sorted(p.name for p in prune) == ["step00000003", "step00000005"]
     assert saving._prunable(ckpt, "step00000009", keep_last=0) == []
-    assert checkpoint.candidates(tmp_path / "none") == []
+    assert layout.candidates(tmp_path / "none") == []
 
 
 def test_only_unfinished_saves_start_from_step_0_with_one_warning(tmp_path, capsys):
@@ -114,7 +116,7 @@ def test_only_unfinished_saves_start_from_step_0_with_one_warning(tmp_path, caps
     ckpt = tmp_path / "checkpoints"
     (ckpt / "step00000003").mkdir(parents=True)
     (ckpt / "step00000003" / "mp_rank_00_model_states.pt").write_bytes(b"cut")
-    assert checkpoint._verified_tag(Rank0(), ckpt) is None
+    assert resume._verified_tag(Rank0(), ckpt) is None
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"warning: {ckpt} holds only unfinished saves (step00000003: no manifest, never "
                    f"published); starting from step 0"]
@@ -125,7 +127,7 @@ def test_only_unfinished_saves_start_from_step_0_with_one_warning(tmp_path, caps
         world_size = 1
 
     with pytest.raises(ValueError, match="no checkpoint in .* verifies"):
-        checkpoint._verified_tag(Unverifiable(), ckpt)
+        resume._verified_tag(Unverifiable(), ckpt)
 
 
 def test_checksum_throughput(tmp_path):

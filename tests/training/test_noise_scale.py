@@ -1,4 +1,4 @@
-"""The gradient noise scale (``training/noise_scale.py``): the estimators on synthetic gradients
+"""The gradient noise scale (``training/step/noise_scale.py``): the estimators on synthetic gradients
 with a known answer, and in real runs (tiny dense, 2 data-parallel ranks) the micro-batch norm
 the trainer measured against an independent autograd replay of that micro-batch, and the keys
 absent where the layout does not allow an exact measurement."""
@@ -6,17 +6,14 @@ absent where the layout does not allow an exact measurement."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.distributed import free_port
-from tests.runs import SMALL, ds_variant, env, rows
-from training import noise_scale
+from tests.runs import SMALL, ds_variant, rows
+from training.step import noise_scale
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = ("gns_grad_sq", "gns_trace", "gradient_noise_scale")
@@ -59,11 +56,12 @@ def test_estimators_recover_the_gradient_and_the_noise_on_synthetic_gradients():
     late = ratios[len(ratios) // 2:]
     assert sum(late) / len(late) == pytest.approx(100.0, rel=0.25)
     # A skipped step or a non-finite norm leaves the EMAs alone and logs nothing.
-    state = gns.state()
+    state = gns.state_dict()
     assert gns.row(1.0, None, applied=True) == {} and gns.row(1.0, 1.0, applied=False) == {}
-    assert gns.row(float("nan"), 1.0, applied=True) == {} and gns.state() == state
+    assert gns.row(float("nan"), 1.0, applied=True) == {} and gns.state_dict() == state
     # A resumed run (the state rides in the checkpoint's monitor state) continues the EMAs.
-    resumed = noise_scale.NoiseScale(b_small, b_big, gas=8, dp_size=2, state=state)
+    resumed = noise_scale.NoiseScale(b_small, b_big, gas=8, dp_size=2)
+    resumed.load_state_dict(state)
     assert resumed.row(2 * small[0], big[0] ** 0.5, True) == gns.row(2 * small[0], big[0] ** 0.5, True)
 
 
@@ -89,7 +87,7 @@ def test_only_layouts_where_grad_holds_the_micro_batch_gradient():
 
 
 @pytest.mark.parametrize("config", ["zero1_fp32", "zero0_fp32", "zero1"])
-def test_trainer_measures_the_first_micro_batch_gradient(tmp_path, config):
+def test_trainer_measures_the_first_micro_batch_gradient(warm_launcher, tmp_path, config):
     """The per-rank |G_small|^2 the trainer took from ``.grad`` after the first backward
     (averaged over the two ranks in the statistics all-reduce) equals a plain autograd replay
     of each rank's first micro-batch on the same weights, within 1e-5 relative. ``zero1`` is
@@ -98,7 +96,8 @@ def test_trainer_measures_the_first_micro_batch_gradient(tmp_path, config):
     so their bf16 backwards round alike (measured 3.6e-15)."""
     ds = ds_variant(tmp_path, config, train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=2)
     out = tmp_path / "replay"
-    _launch(tmp_path / "run", ds, steps=3, script="tests/training/_noise_scale_run.py", GNS_REPLAY=str(out))
+    _launch(warm_launcher, tmp_path / "run", ds, steps=3, script="tests/training/_noise_scale_run.py",
+            GNS_REPLAY=str(out))
     replay = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(2)]
     assert all(r["tokens"] == r["nominal"] == MICRO * SEQ for r in replay)    # B_small in tokens
     metrics = rows(tmp_path / "run")
@@ -116,22 +115,18 @@ def test_trainer_measures_the_first_micro_batch_gradient(tmp_path, config):
     assert first["gradient_noise_scale"] == pytest.approx(first["gns_trace"] / first["gns_grad_sq"])
 
 
-def _launch(run_dir: Path, ds: str, steps: int, script: str = "launch/train.py", **extra_env) -> None:
-    """tiny dense (SMALL's sizes) on 2 data-parallel ranks through torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(REPO / script), "--config", ds, *DENSE, "--run-dir", str(run_dir),
-           "--steps", str(steps), "--set", *SMALL_DENSE]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), **extra_env}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def _launch(warm, run_dir: Path, ds: str, steps: int, script: str = "launch/train.py", **extra_env) -> None:
+    """tiny dense (SMALL's sizes) on 2 data-parallel ranks, as torchrun starts them."""
+    warm.script(script, ["--config", ds, *DENSE, "--run-dir", str(run_dir), "--steps", str(steps),
+                         "--set", *SMALL_DENSE], run_dir.parent / f"{run_dir.name}.log", extra_env=extra_env)
 
 
-def test_keys_absent_at_zero2_and_without_accumulation(tmp_path):
+def test_keys_absent_at_zero2_and_without_accumulation(warm_launcher, tmp_path):
     for name, config in (("zero2", ds_variant(tmp_path, "zero2_fp32", train_micro_batch_size_per_gpu=MICRO,
                                               gradient_accumulation_steps=2)),
                          ("acc1", ds_variant(tmp_path, "zero1_fp32", train_micro_batch_size_per_gpu=MICRO,
                                              gradient_accumulation_steps=1))):
         run = tmp_path / name
-        _launch(run, config, steps=2)
+        _launch(warm_launcher, run, config, steps=2)
         metrics = rows(run)
         assert metrics and all("grad_norm" in row and not set(KEYS) & set(row) for row in metrics), metrics

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from training.optim import Lamb, apply_lr_scaling, maybe_build_client_optimizer, param_groups, scale_lr
+from training.optim.optimizers import (Lamb, apply_lr_scaling, maybe_build_client_optimizer, param_groups, scale_lr)
 
 
 class _Block(nn.Module):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from training import recipe_schema
-from training.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, recipe_from_dict
+from training.config import schema
+from training.config.recipe import DEFAULT_RECIPE, REPO_ROOT, Recipe, load_recipe, recipe_from_dict
 from model.config import DenseConfig, MixtralConfig, SwitchConfig
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
@@ -268,7 +268,7 @@ def test_every_dataclass_field_has_a_one_line_docstring():
     """Every recipe section's fields, and the model's (``model.*`` and ``model.moe.*`` keys; the
     family subclasses only override defaults)."""
     from model import config as model_config
-    trees = [(ast.parse(Path(recipe_schema.__file__).read_text()), None),
+    trees = [(ast.parse(Path(schema.__file__).read_text()), None),
              (ast.parse(Path(model_config.__file__).read_text()), {"MoEConfig", "TransformerConfig"})]
     classes = [n for tree, names in trees for n in tree.body
                if isinstance(n, ast.ClassDef) and (names is None or n.name in names)]

@@ -1,4 +1,4 @@
-"""The background save's snapshot (``training/saving.py`` ``_snapshot``), in one process: what
+"""The background save's snapshot (``training/checkpoint/saving.py`` ``_snapshot``), in one process: what
 ``torch.save`` writes from it is byte for byte what it writes from the live state, and the live
 state can change once the snapshot is taken. The saves themselves, with 2 ranks, slow and full
 disks, are in ``tests/launch/test_train.py``."""
@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import torch
 
-from training import saving
+from training.checkpoint import saving
 
 
 class _Scaler:

@@ -11,8 +11,7 @@ import math
 import pytest
 import torch
 
-from training.schedules import (OUR_SCHEDULERS, auto_warmup_steps, build_scheduler, lr_multiplier, resolve_auto,
-                              split_scheduler)
+from training.optim.schedules import (OUR_SCHEDULERS, auto_warmup_steps, build_scheduler, lr_multiplier, resolve_auto, split_scheduler)
 
 BASE_LR = 0.2
 

@@ -1,4 +1,4 @@
-"""``training/shard_maps.py``: the affine maps equal those read off the models the trainer builds.
+"""``training/checkpoint/shard_maps.py``: the affine maps equal those read off the models the trainer builds.
 
 The reference below reads every parameter's cut off models built and initialised on the CPU,
 as the trainer holds them, and splits the indices into runs one index at a time; the module
@@ -15,8 +15,8 @@ import pytest
 from model import Transformer
 from model.parallel.groups import ParallelGroups
 from tests.runs import REPO
-from training import shard_maps as sm
-from training.recipe import load_recipe
+from training.checkpoint import shard_maps as sm
+from training.config.recipe import load_recipe
 
 
 def _reference_runs(values) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""ZeRO-3 builds under ``deepspeed.zero.Init`` (training/sharded_build.py), on 2 gloo ranks (dp 2).
+"""ZeRO-3 builds under ``deepspeed.zero.Init`` (training/engine/sharded_build.py), on 2 gloo ranks (dp 2).
 
 One spawn checks:
 
@@ -51,8 +51,9 @@ def _max_rss() -> int:
 
 
 def _ds(name: str, recipe=None) -> dict:
-    from training import preflight, schedules
-    from training.ds_config import load_ds_config, validate_ds_config
+    from training.run import preflight
+    from training.optim import schedules
+    from training.config.ds_config import load_ds_config, validate_ds_config
     ds = validate_ds_config(load_ds_config(str(REPO / "ds_configs" / f"{name}.json")), 2)
     if recipe is not None:
         return preflight.resolve_ds_config(ds, recipe)
@@ -64,13 +65,13 @@ def _big_build(rank: int, groups) -> dict:
     import deepspeed
     from planning.build_memory import build_bytes
     from planning.memory_model import Layout
-    from training import run_setup
-    from training.recipe import load_recipe
+    from training.engine.build import build_model
+    from training.config.recipe import load_recipe
 
     recipe = load_recipe(REPO / "recipes" / "tiny_dense.yaml", BIG)
     ds = _ds("zero3_fp32", recipe)
     base = _max_rss()
-    model = run_setup.build_model(recipe, None, groups, ds)
+    model = build_model(recipe, None, groups, ds)
     peak = _max_rss()
     held = sum(p.ds_tensor.numel() for p in model.parameters())
     no_optimizer = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
@@ -90,8 +91,8 @@ def _check_weights(rank: int, groups, out_dir: Path) -> None:
 
     from model import DenseConfig, MixtralConfig, Transformer
     from model.config import MoEConfig
-    from training import optim
-    from training.sharded_build import build_partitioned
+    from training.optim import optimizers
+    from training.engine.sharded_build import build_partitioned
 
     moe = MoEConfig(num_experts=4, top_k=2, router_jitter=0.0)
     cfgs = {"mixtral": MixtralConfig(**SIZES, moe=moe).validate(),
@@ -107,9 +108,9 @@ def _check_weights(rank: int, groups, out_dir: Path) -> None:
         assert model.rotary.inv_freq.dtype == torch.float32
         assert torch.equal(model.rotary.inv_freq, ref.rotary.inv_freq), (tag, name)
         names = {id(p): n for n, p in model.named_parameters()}
-        decayed = {names[id(p)] for p in optim.param_groups(model, 0.1)[0]["params"]}
+        decayed = {names[id(p)] for p in optimizers.param_groups(model, 0.1)[0]["params"]}
         ref_names = {id(p): n for n, p in ref.named_parameters()}
-        assert decayed == {ref_names[id(p)] for p in optim.param_groups(ref, 0.1)[0]["params"]}
+        assert decayed == {ref_names[id(p)] for p in optimizers.param_groups(ref, 0.1)[0]["params"]}
     # --init-from: the full weights of another seed, loaded tensor by tensor into the partitions.
     cfg, init_dir = cfgs["mixtral"], out_dir / "init"
     source = Transformer(cfg, None, init_seed=9).state_dict()

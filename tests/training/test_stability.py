@@ -8,20 +8,17 @@ saves the pre-spike state and stops.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.distributed import free_port
-from tests.runs import REPO, SMALL, env, rows
+from tests.runs import SMALL, python, rows, shared_launcher
 
 
 def _run(config: str, action: str, *scales: str) -> list[dict]:
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "_stability_run.py"), config, action, *scales],
-                         cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    out = python("tests/training/_stability_run.py", config, action, *scales)
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -50,6 +47,14 @@ def test_spike_is_only_logged_or_stops_when_asked():
     assert stopped[4]["stopped"].startswith("loss spike") and not stopped[4]["changed"]
 
 
+def _launch(logs: Path, nproc: int, argv: list[str]) -> SimpleNamespace:
+    """``argv`` (a script and its arguments) on ``nproc`` ranks as torchrun starts them (forked
+    from the warm launcher's server); its exit code and the ranks' stdout and stderr."""
+    out, err = logs.with_suffix(".out"), logs.with_suffix(".err")
+    rc = shared_launcher().run(argv, out, nproc, 300, stderr=err)
+    return SimpleNamespace(returncode=rc, stdout=out.read_text(), stderr=err.read_text())
+
+
 def _weights(tag_dir: Path) -> dict:
     """Every tensor a checkpoint holds, by file and name: ``mp_rank_*`` files keep the weights
     under ``module``, a pipeline's ``layer_*`` files are the layers' state dicts themselves."""
@@ -73,11 +78,8 @@ def test_stop_saves_the_weights_from_before_the_spike_and_resumes(nproc, extra, 
     args = ["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "6",
             "--set", *SMALL, *extra, "eval.every=0", "train.save_every=3", "train.spike_window=2",
             "train.spike_factor=1.5"]
-    prefix = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                                  "--master_port", str(free_port())] if nproc > 1 else [])
-    out = subprocess.run([*prefix, str(Path(__file__).parent / "_stability_run.py"), "--trainer",
-                          "4", *args, "train.spike_action=stop"], cwd=REPO, env=env(),
-                         capture_output=True, text=True, timeout=300)
+    out = _launch(tmp_path / "stop", nproc, ["tests/training/_stability_run.py", "--trainer", "4", *args,
+                                              "train.spike_action=stop"])
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = run_dir / "checkpoints"
     stops = [line for line in out.stderr.splitlines() if line.startswith("stopping at step")]
@@ -97,8 +99,7 @@ def test_stop_saves_the_weights_from_before_the_spike_and_resumes(nproc, extra, 
     if nproc > 1:       # both stages' layers are in the comparison: embedding and head
         assert {f.split("-")[0] for f, _ in at} >= {"layer_00", "layer_03"}
 
-    resumed = subprocess.run([*prefix, "launch/train.py", *args, "train.spike_action=log"],
-                             cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    resumed = _launch(tmp_path / "resume", nproc, ["launch/train.py", *args, "train.spike_action=log"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt / 'step00000004'}" in resumed.stdout
     logged = rows(run_dir)

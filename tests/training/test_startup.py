@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.distributed import free_port
-from tests.runs import SMALL, env
+from tests.runs import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_slow_rank0_startup_outlasts_the_process_group_timeout(tmp_path):
+def test_slow_rank0_startup_outlasts_the_process_group_timeout(warm_launcher, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), str(REPO / "tests" / "training" / "_slow_rank0_run.py"),
-           "--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "2",
-           "--set", *SMALL, "parallel.timeout_minutes=0.1"]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "SLOW_RANK0_S": "12"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    warm_launcher.script("tests/training/_slow_rank0_run.py",
+                         ["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "2",
+                          "--set", *SMALL, "parallel.timeout_minutes=0.1"],
+                         tmp_path / "run.log", extra_env={"SLOW_RANK0_S": "12"})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert not list((REPO / ".cache" / "startup").glob("*")), "start-up markers left behind"

@@ -3,7 +3,7 @@
 ``_straggler_run.py`` runs the trainer on 2 gloo ranks (ZeRO-1 in bf16, micro-batch 2, data
 parallel only, ``train.log_every`` 2) with one rank sleeping 0.3 s in the first forward of every
 step: inside the span a rank's busy time measures, before the step's statistics all-reduce
-(``training/step_stats.py``, "Stragglers"). The sleep is put on each rank in turn, so a metric
+(``training/step/stats.py``, "Stragglers"). The sleep is put on each rank in turn, so a metric
 that named a fixed rank, measured the wall time (the same on both ranks) or counted the fast
 rank's wait in the all-reduce as busy fails one of the checks.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.runs import ds_variant, launch, rows
-from training.step_stats import BusyTime, busy_row, straggler_metrics
+from tests.runs import ds_variant, rows
+from training.step.stats import BusyTime, busy_row, straggler_metrics
 
 SLEEP_S = 0.3
 LOG_EVERY = 2
@@ -23,10 +23,10 @@ SCRIPT = "tests/training/_straggler_run.py"
 
 
 @pytest.mark.parametrize("slow_rank", [1, 0])
-def test_the_rank_that_stalls_in_its_step_is_the_slowest(tmp_path, slow_rank):
+def test_the_rank_that_stalls_in_its_step_is_the_slowest(warm_launcher, tmp_path, slow_rank):
     run_dir = tmp_path / "run"
     config = ds_variant(tmp_path, "zero1", train_micro_batch_size_per_gpu=2)   # a short forward
-    launch(run_dir, config, nproc=2, steps=STEPS, script=SCRIPT,
+    warm_launcher.launch(run_dir, config, nproc=2, steps=STEPS, script=SCRIPT,
            extra=[f"train.log_every={LOG_EVERY}", "eval.every=0"],
            extra_env={"STRAGGLER_RANK": str(slow_rank), "STRAGGLER_SLEEP_S": str(SLEEP_S)})
     metrics = rows(run_dir)
@@ -64,7 +64,7 @@ def test_one_hot_rows_summed_over_the_job_give_every_rank_its_busy_seconds():
 
 def test_busy_time_on_cpu_averages_the_steps_since_the_last_mean(monkeypatch):
     clock = iter([10.0, 10.5, 20.0, 20.1, 30.0, 30.9])      # (start, arrival) of 3 steps
-    monkeypatch.setattr("training.step_stats.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("training.step.stats.time.perf_counter", lambda: next(clock))
     busy = BusyTime(torch.device("cpu"))
     assert busy.take_mean() is None                         # no step yet
     for _ in range(2):

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from tests.launch.test_train import wandb_history
-from tests.runs import launch
+from tests.runs import shared_launcher
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"   # 40 hex characters, like a real key
 
@@ -23,9 +23,9 @@ def test_resumed_run_appends_to_the_same_wandb_run_and_the_key_stays_out(tmp_pat
     monkeypatch.setenv("WANDB_API_KEY", SECRET)       # tests.runs.env() copies os.environ
     run_dir = tmp_path / "wb"
     extra = ["tracking.wandb=true", "train.save_every=4"]
-    launch(run_dir, "ds_configs/zero1_fp32.json", nproc=1, extra=extra, steps=4)
+    shared_launcher().launch(run_dir, "ds_configs/zero1_fp32.json", nproc=1, extra=extra, steps=4)
     run_id = (run_dir / "wandb_run_id").read_text().strip()
-    launch(run_dir, "ds_configs/zero1_fp32.json", nproc=1, extra=extra, steps=8)
+    shared_launcher().launch(run_dir, "ds_configs/zero1_fp32.json", nproc=1, extra=extra, steps=8)
     assert (run_dir / "wandb_run_id").read_text().strip() == run_id
 
     folders = sorted((run_dir / "wandb").glob("offline-run-*"))

@@ -1,4 +1,4 @@
-"""The watchdog's parts without a job (training/watchdog.py): who the heartbeats say stopped, the
+"""The watchdog's parts without a job (training/resilience/watchdog.py): who the heartbeats say stopped, the
 allowed time, the peer-lost errors it recognises; and the checkpoint-share wait's timeout."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from training import saving, watchdog
+from training.checkpoint import saving
+from training.resilience import watchdog
 from training.files import atomic_write
 
 LAUNCH = 1234

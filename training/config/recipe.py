@@ -1,4 +1,4 @@
-"""Recipe YAML -> the frozen dataclasses of ``training/recipe_schema.py``, with type checks.
+"""Recipe YAML -> the frozen dataclasses of ``training/config/schema.py``, with type checks.
 
 Reads the file (duplicate keys refused), applies ``--set`` overrides, checks every key against the
 section's fields and every value against the field's type, then builds the ``Recipe`` (whose
@@ -26,9 +26,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from model.config import CONFIG_CLASSES, FAMILIES, DenseConfig, MoEConfig, TransformerConfig, is_int
-from training.recipe_schema import SECTIONS, Recipe
+from training.config.schema import SECTIONS, Recipe
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny_mixtral.yaml"
 
 __all__ = ["DEFAULT_RECIPE", "REPO_ROOT", "Recipe", "apply_overrides", "load_recipe",

@@ -151,7 +151,7 @@ class BlockPipe(nn.Module):
             aux_sum = aux_sum + balance
             z_sum = z_sum + aux.z_loss
             self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,
-                                                        aux.dropped_frac, aux.tokens_per_expert)])
+                                                        aux.dropped_frac, aux.routed_per_expert)])
         return x, aux_sum, z_sum, *docs
 
 
@@ -266,7 +266,7 @@ class TransformerPipe(PipelineModule):
 
     def add_step_stats(self, stats: torch.Tensor, gas: int, layout) -> None:
         """Add this rank's values to the trainer's statistics vector (``layout``, a
-        ``training.step_stats.StatsLayout``): router values as means over micro-batches, the
+        ``training.step.stats.StatsLayout``): router values as means over micro-batches, the
         scalars also over MoE layers, as ``StatsLayout.add_micro_batch``. Device-side adds
         only: no communication, no host copy."""
         for record in self.loss_fn.records:          # (ce_sum, target tokens, loss)

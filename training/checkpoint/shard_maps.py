@@ -5,7 +5,7 @@ tensors, and a universal checkpoint is cut again at the loading run's layout. It
 (chunk along one dimension) cannot describe experts or row-parallel weights, so every
 parameter's cut is given as a ``deepspeed.checkpoint.affine.ParamAffineMap``, derived from the
 ``shard_spec`` each parameter carries (``model/parallel/layers.py``). Saving and loading
-checkpoints is ``training/checkpoint.py``; the conversion, ``interop/universal.py``.
+checkpoints is ``saving.py`` and ``resume.py`` beside this file; the conversion, ``interop/universal.py``.
 """
 
 from __future__ import annotations

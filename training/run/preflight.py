@@ -18,9 +18,11 @@ from pathlib import Path
 import torch
 
 from data_pipeline.tokenizer import load_local_tokenizer
-from training import checkpoint, ds_config, optim, schedules
-from training import data_sources as sources_lib
-from training.recipe import Recipe, apply_overrides, load_recipe
+from training.checkpoint.layout import candidates, read_run_config
+from training.config import ds_config
+from training.config.recipe import Recipe, apply_overrides, load_recipe
+from training.data import sources
+from training.optim import optimizers, schedules
 
 
 @dataclass
@@ -36,8 +38,10 @@ class Plan:
     config_path: str | None = None      # the DeepSpeed JSON as given, for messages
 
 
-def prepare(args: argparse.Namespace) -> Plan:
-    """Validate the CLI, recipe and DeepSpeed JSON; raise ValueError with a one-line message."""
+def prepare(args: argparse.Namespace, outputs: bool = True) -> Plan:
+    """Validate the CLI, recipe and DeepSpeed JSON; raise ValueError with a one-line message.
+    ``outputs`` False: the run writes nothing (a benchmark driving the step), so its run
+    directory is not checked."""
     overrides = list(args.set)
     if args.steps is not None:
         if args.steps < 1:
@@ -57,16 +61,23 @@ def prepare(args: argparse.Namespace) -> Plan:
     check_data_source(recipe)
     init_from = check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
-    check_run_dir(run_dir, recipe)
+    if outputs:
+        check_run_dir(run_dir, recipe)
     return Plan(recipe, ds, run_dir, world_size, dp_size, init_from, args.config)
 
 
+def plan_for(config: str, recipe: str | None = None, sets=(), steps: int | None = None,
+             outputs: bool = False) -> Plan:
+    """``prepare`` of the command line ``--config config --recipe recipe --set *sets --steps
+    steps``, for the benchmarks and tests that drive the trainer's step in their own process."""
+    return prepare(argparse.Namespace(config=str(config), recipe=recipe, run_dir=None, steps=steps,
+                                      set=list(sets), init_from=None), outputs)
 
 
 def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
     """Apply the JSON's optional lr scaling and fill its "auto" scheduler values from the run
     length, so that a bad schedule fails now and config.json records what actually runs."""
-    ds = schedules.resolve_auto(optim.apply_lr_scaling(ds), recipe.train.steps)
+    ds = schedules.resolve_auto(optimizers.apply_lr_scaling(ds), recipe.train.steps)
     _, ours = schedules.split_scheduler(ds)
     if ours is not None:
         schedules.lr_multiplier(ours, recipe.train.steps)      # validates our schedule's params
@@ -94,7 +105,7 @@ def check_data_source(recipe: Recipe) -> None:
     """Every ``data.source`` / ``data.val_source`` entry opens or exists, and ``tokenizer.path``
     is a tokenizer, so that bad data fails before anything is written."""
     tokenizer = load_local_tokenizer(recipe.tokenizer.path) if recipe.tokenizer.path else None
-    sources_lib.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
+    sources.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
 
 
 def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:
@@ -123,8 +134,8 @@ def check_run_dir(run_dir: Path, recipe: Recipe) -> None:
     if blocker is not None:
         raise ValueError(f"--run-dir {run_dir}: {blocker} is a file, not a directory (choose another path)")
     saved = run_dir / "config.json"
-    if checkpoint.candidates(run_dir / "checkpoints") and saved.is_file():
-        old = checkpoint.read_run_config(run_dir)["recipe"]["model"]
+    if candidates(run_dir / "checkpoints") and saved.is_file():
+        old = read_run_config(run_dir)["recipe"]["model"]
         if old != recipe.model.to_dict():
             raise ValueError(f"--run-dir {run_dir}: holds checkpoints of a different model; "
                              f"resume with the original recipe or choose a new --run-dir")

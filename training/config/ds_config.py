@@ -20,7 +20,7 @@ import torch
 
 from model.config import is_int
 from model.parallel.dims import ParallelDims
-from training.schedules import AUTO, DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, validate_scheduler
+from training.optim.schedules import AUTO, DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, validate_scheduler
 
 # deepspeed/runtime/config.py DEEPSPEED_OPTIMIZERS (matched case-insensitively by DeepSpeed).
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
@@ -319,7 +319,7 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     optimizer type (DeepSpeed's, torch.optim's, not a removed one), lr > 0, betas, eps,
     weight decay, no `max_grad_norm`, no LAMB under ZeRO >= 1 unless opted in; scheduler type
     (DeepSpeed's, ours, or a numeric torch one) and its parameter names; the `lr_scaling` block.
-    "auto" scheduler values are allowed (see `training.schedules.resolve_auto`).
+    "auto" scheduler values are allowed (see `training.optim.schedules.resolve_auto`).
 
     Args:
         cfg: the parsed JSON (not modified).

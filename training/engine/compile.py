@@ -1,5 +1,5 @@
 """``train.compile``: ``torch.compile`` each transformer block on its own, before the engine
-(``run_setup.build_model`` applies it to the model it builds).
+(``build.build_model`` applies it to the model it builds).
 
 Per block, as torchtitan does: one graph per kind of block (a dense and an MoE block compile once
 each, and every layer of a kind reuses that code), compile time that does not grow with depth,
@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from model.transformer import Block, Transformer
-from training.sharded_build import builds_partitioned
+from training.engine.sharded_build import builds_partitioned
 
 
 def compile_blocks(model: nn.Module, enabled: bool, ds: dict | None = None) -> nn.Module:

@@ -2,7 +2,7 @@
 
 A save has two halves. The first runs in the training loop on every rank: DeepSpeed's
 ``save_checkpoint`` builds each file's state and hands it to its checkpoint engine's ``save``.
-The second writes the files, hashes them into the manifest (``training/manifest.py``) and
+The second writes the files, hashes them into the manifest (``training/checkpoint/manifest.py``) and
 publishes the checkpoint: rank 0 writes ``manifest.json``, then moves ``latest``, then prunes.
 
 With ``train.async_save`` (the default) the engine's ``save`` is replaced for the call by a
@@ -45,8 +45,9 @@ from pathlib import Path
 import torch
 
 from model.parallel import comm
-from training import manifest
-from training.checkpoint import LATEST, tag_for_step
+from training.checkpoint import manifest
+from training.checkpoint.layout import LATEST, tag_for_step
+from training.checkpoint.state import TrainState, rank_file
 from training.files import atomic_write
 
 SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
@@ -89,18 +90,23 @@ class Saver:
         return self.pending is not None and self.pending.thread is not None and \
             self.pending.thread.is_alive()
 
-    def save(self, step: int, client_state: dict, wait: bool) -> None:
-        """Save ``step``: the previous save is finished first; with ``wait`` (or without
-        background saves) this one is finished before returning, else it is left in flight."""
+    def save(self, step: int, state: TrainState, wait: bool) -> None:
+        """Save ``step`` with every part of ``state`` (``state.py``): the previous save is
+        finished first; with ``wait`` (or without background saves) this one is finished before
+        returning, else it is left in flight."""
         t0 = time.perf_counter()
         self.finish()
         save = _Save(step, self.ckpt_dir / tag_for_step(step))
         if self.engine.global_rank == 0:       # an earlier save of this tag (before a fallback resume)
             for stale in (save.folder / manifest.MANIFEST, *save.folder.glob("manifest.rank*")):
                 stale.unlink(missing_ok=True)  # DeepSpeed's first barrier orders this before any write
+        rank_state = state.rank_state()
         with _engine_writes(self.engine, save, self.background):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=save.folder.name,
-                                        client_state=client_state, save_latest=False)
+                                        client_state=state.client_state(step), save_latest=False)
+            if rank_state is not None:      # through the engine's writer: snapshotted, fsynced, hashed
+                save.folder.mkdir(parents=True, exist_ok=True)
+                self.engine.checkpoint_engine.save(rank_state, str(rank_file(save.folder, state.rank)))
         self.pending = save
         if self.background:
             rank, world = self.engine.global_rank, self.engine.world_size

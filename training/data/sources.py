@@ -150,13 +150,7 @@ def _max_token(tokens: np.ndarray, chunk: int = 1 << 26) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Building the run's sources (called by training/run_setup.py on every rank).
-
-def all_specs(data_cfg) -> tuple[tuple[SourceSpec, ...], tuple[SourceSpec, ...] | None]:
-    train = parse_sources(data_cfg.source, "data.source")
-    val = None if data_cfg.val_source is None else parse_sources(data_cfg.val_source, "data.val_source")
-    return train, val
-
+# Building the run's sources (called by training/data/build.py on every rank).
 
 def check_entries(data_cfg, vocab_size: int, tokenizer=None) -> None:
     """Every entry names prepared data that opens (with, when it has a manifest, token ids below
@@ -164,10 +158,10 @@ def check_entries(data_cfg, vocab_size: int, tokenizer=None) -> None:
     it), or raw text that exists: one line otherwise, before anything is written. A Megatron
     dataset without a manifest has its ids checked once its tokens are mapped
     (``open_sources``)."""
-    from data_pipeline import indexed, sources
+    from data_pipeline import indexed, readers, sources
     from data_pipeline.tokenizer import tokenizer_fingerprint
     fp = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-    train, val = all_specs(data_cfg)
+    train, val = data_cfg.train_specs, data_cfg.val_specs
     for field, specs in (("data.source", train), ("data.val_source", val or ())):
         for spec in specs:
             if is_prepared(spec.name):
@@ -179,9 +173,10 @@ def check_entries(data_cfg, vocab_size: int, tokenizer=None) -> None:
                     check_dataset(dataset, spec.name, vocab_size, fp, field)
                 continue
             try:
-                sources.plan_shards([spec.name], data_cfg.text_field, data_cfg.max_bytes,
-                                    sources.Fields(input=field, json_key="data.text_field"),
-                                    check_fields=True)
+                fields = sources.Fields(input=field, json_key="data.text_field")
+                readers.check_fields(sources.plan_shards([spec.name], data_cfg.text_field,
+                                                         data_cfg.max_bytes, fields),
+                                     data_cfg.text_field, fields)
             except ValueError as err:
                 raise ValueError(f"{err}, or the prefix of prepared data "
                                  f"({spec.name}.bin/.idx)") from None
@@ -199,13 +194,12 @@ def prepared_tokenizer_path(specs) -> str | None:
 
 def training_sample(data_cfg, max_bytes: int) -> list[str]:
     """About ``max_bytes`` of the raw entries' text, spread over them, to train a tokenizer."""
-    from data_pipeline import sources
-    train, val = all_specs(data_cfg)
-    raw = raw_entries(train)
+    from data_pipeline import readers
+    raw = raw_entries(data_cfg.train_specs)
     if not raw:
         raise ValueError("data.source is prepared data only, so there is no text to train a "
                          "tokenizer on; fix: set tokenizer.path to the tokenizer it was prepared with")
-    return sources.sample_texts(raw, data_cfg.text_field, max_bytes)
+    return readers.sample_texts(raw, data_cfg.text_field, max_bytes)
 
 
 def blend_weights(sources: list[Source]) -> list[float] | None:
@@ -218,10 +212,9 @@ def prepare_raw(data_cfg, tokenizer, cache_dir: Path, workers: int, progress: bo
     from data_pipeline.prepare import prepare_dataset
     from data_pipeline.sources import Fields
     from data_pipeline.tokenizer import tokenizer_fingerprint
-    train, val = all_specs(data_cfg)
     fp = tokenizer_fingerprint(tokenizer)
     out = {}
-    for spec in (*train, *(val or ())):
+    for spec in (*data_cfg.train_specs, *(data_cfg.val_specs or ())):
         if spec.name in out or is_prepared(spec.name):
             continue
         prefix = cache_prefix(cache_dir, spec.name, fp, data_cfg.text_field, data_cfg.max_bytes)
@@ -236,7 +229,7 @@ def open_sources(data_cfg, prepared: dict[str, str], vocab_size: int,
                  tokenizer_fingerprint: str) -> tuple[list[Source], list[Source] | None]:
     """Every entry opened (memory-mapped) and checked, with its streams."""
     from data_pipeline import indexed
-    train_specs, val_specs = all_specs(data_cfg)
+    train_specs, val_specs = data_cfg.train_specs, data_cfg.val_specs
     opened = {}
 
     def dataset(spec, field):

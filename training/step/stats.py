@@ -1,7 +1,7 @@
 """The statistics vector of one optimizer step: its layout, what each micro-batch adds, and the
 metrics read back from it; and each rank's busy time, which names the slowest rank.
 
-One float64 vector on the compute device per step (``training/stepping.py``): filled with
+One float64 vector on the compute device per step (``training/step/stepper.py``): filled with
 device-side adds only, summed once over the ranks that see different tokens (and the pipeline
 stages), and copied to the host once. L is the number of MoE layers, E the experts per layer:
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The scalars' indices, in the order above (NOISE: the small-batch |G|^2, training/noise_scale.py).
+# The scalars' indices, in the order above (NOISE: the small-batch |G|^2, training/step/noise_scale.py).
 CE_SUM, TOKENS, NONFINITE, AUX, Z, ENTROPY, DROPPED, NOISE = range(8)
 SCALARS = NOISE + 1
 
@@ -61,7 +61,7 @@ class StepValues:
     ce_sum: float                 # summed next-token cross-entropy of the step's target tokens
     tokens: float                 # the step's target tokens
     nonfinite: float              # micro-batches whose objective was not finite
-    small_batch_grad_sq: float    # the summed small-batch |G|^2 (training/noise_scale.py)
+    small_batch_grad_sq: float    # the summed small-batch |G|^2 (training/step/noise_scale.py)
     router_divergence: float      # put in on log steps under tp x ep > 1, else 0.0
     vector: list[float]
 
@@ -105,7 +105,7 @@ class StatsLayout:
             # Means over micro-batches here, over data-parallel ranks in moe_metrics.
             entropy = torch.stack([a.entropy for a in out.moe_aux]).double() / gas      # (L,)
             dropped = torch.stack([a.dropped_frac for a in out.moe_aux]).double() / gas  # (L,)
-            counts = torch.stack([a.tokens_per_expert for a in out.moe_aux]).double()   # (L, E)
+            counts = torch.stack([a.routed_per_expert for a in out.moe_aux]).double()   # (L, E)
             stats[AUX] += out.aux_loss.detach().double() / gas
             stats[Z] += out.z_loss.detach().double() / gas
             stats[ENTROPY] += entropy.mean()

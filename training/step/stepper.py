@@ -18,12 +18,12 @@ one ``_decide`` sums it, brings it to the host and decides skip or apply (a ``St
 after the last backward ``_prepare_last_step`` records the lr and, on a skip, makes the update a
 no-op (lr 0); after ``engine.step()``, ``_finish_step`` builds the metrics row. With pipeline
 stages, ``engine.train_batch`` runs DeepSpeed's 1F1B schedule over the micro-batches; the same
-objective is built on the last stage (``training/pipeline.py``), and the hook DeepSpeed calls
+objective is built on the last stage (``training/engine/pipeline.py``), and the hook DeepSpeed calls
 before the optimizer step runs the same two functions. Every ``train.log_every`` steps the row
-also names the slowest rank (``training/step_stats.py``, "Stragglers").
+also names the slowest rank (``training/step/stats.py``, "Stragglers").
 
 ``StepContext`` says where the trainer is (step, micro-batch, phase) for the out-of-memory report
-(``planning/oom.py``): ``Stepper`` and ``launch/train.py`` update it as they go.
+(``planning/oom.py``): ``Stepper`` and the run (``training/run/trainer.py``) update it as they go.
 """
 
 from __future__ import annotations
@@ -36,17 +36,17 @@ import torch
 
 from model.moe.layer import start_balance_step
 from model.parallel import comm
-from training import noise_scale
-from training.ds_config import replica_sync_mode
-from training.step_stats import NOISE, BusyTime, StatsLayout, StepValues, busy_row, straggler_metrics
+from training.step.history import StepHistory
+from training.config.ds_config import replica_sync_mode
+from training.step.stats import (NOISE, BusyTime, StatsLayout, StepValues, busy_row, straggler_metrics)
 
 
 @dataclass
 class StepContext:
     """Where the trainer is, kept current as it runs, for the out-of-memory report.
 
-    ``launch/train.py`` hands over the objects as it builds them and marks checkpoint loads and
-    saves; ``Stepper`` marks each micro-batch's forward and backward, the optimizer step, the
+    The run (``training/run/trainer.py``) hands over the objects as it builds them and marks
+    checkpoint loads and saves; ``Stepper`` marks each micro-batch's forward and backward, the optimizer step, the
     pipeline schedule and evaluation. Plain attribute writes: the report reads them after the
     error has unwound the stack.
     """
@@ -55,7 +55,7 @@ class StepContext:
     step: int | None = None
     micro_batch: int | None = None        # 1-based, within ``step``; None outside a micro-batch
     micro_batches: int | None = None
-    dist: object = None                   # training.run_setup.DistContext: rank, device, GPU
+    dist: object = None                   # training.run.distributed.DistContext: rank, device, GPU
     model: torch.nn.Module | None = None  # its parameters and gradients are named in the report
     engine: object = None                 # its optimizer's states and buffers too
 
@@ -65,26 +65,6 @@ def _schedule_position(scheduler) -> int | None:
     if scheduler is None:
         return None
     return getattr(scheduler, "last_batch_iteration", getattr(scheduler, "last_epoch", None))
-
-
-class SpikeMonitor:
-    """Flags a loss above ``factor`` x the running mean of the last ``window`` finite losses."""
-
-    def __init__(self, factor: float, window: int, state: dict | None = None):
-        self.factor, self.window = factor, window
-        self.history: list[float] = list((state or {}).get("history", []))
-
-    def is_spike(self, loss: float) -> bool:
-        # Judge only once the window has filled: early-training losses fall too fast to compare.
-        if len(self.history) < self.window:
-            return False
-        return loss > self.factor * (sum(self.history) / len(self.history))
-
-    def record(self, loss: float) -> None:
-        self.history = (self.history + [loss])[-self.window:]
-
-    def state(self) -> dict:
-        return {"history": self.history}
 
 
 @dataclass
@@ -113,15 +93,16 @@ class Stepper:
         engine: the DeepSpeed engine (``PipelineEngine`` with pipeline stages).
         recipe: the run's recipe (``train`` section: spike handling, ``log_every``).
         ds: the resolved DeepSpeed config (batch sizes, ZeRO stage, precision).
-        ctx: ``training.run_setup.DistContext`` (rank, device and process groups).
+        ctx: ``training.run.distributed.DistContext`` (rank, device and process groups).
         dp_size: the data-parallel size (the loss is scaled by it, see the module docstring).
-        monitor_state: the loss-spike monitor and token count of a resumed run.
+        history: what the step carries from step to step and a checkpoint keeps (spike
+            window, token count, noise-scale EMAs; ``history.py``); a fresh one when None.
         where: the ``StepContext`` to keep current (a private one when None).
-        preemption: the run's ``training.preemption.Preemption`` (``stop_requested`` reads it).
-        saver: the run's ``training.saving.Saver`` (``saves_written`` reads it).
+        preemption: the run's ``training.resilience.preemption.Preemption`` (``stop_requested`` reads it).
+        saver: the run's ``training.checkpoint.saving.Saver`` (``saves_written`` reads it).
     """
 
-    def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, monitor_state: dict | None = None,
+    def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, history: StepHistory | None = None,
                  where: StepContext | None = None, *, preemption=None, saver=None):
         self.engine, self.recipe, self.ctx = engine, recipe, ctx
         self.where = where if where is not None else StepContext()
@@ -130,26 +111,25 @@ class Stepper:
         self.cfg = self.model.cfg
         self.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
         self.half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
-        self.spikes = SpikeMonitor(recipe.train.spike_factor, recipe.train.spike_window, monitor_state)
-        self.tokens_seen = (monitor_state or {}).get("tokens", 0)
+        self.history = history if history is not None else StepHistory.for_run(recipe, ds, ctx, dp_size)
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
         self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
         moe = self.cfg.moe
         self.stats = StatsLayout(len(self.moe_blocks), moe.num_experts if moe else 0,
-                                 bool(moe and moe.expert_bias))      # training/step_stats.py
+                                 bool(moe and moe.expert_bias))      # training/step/stats.py
         self.busy = BusyTime(ctx.device)
         self.pipeline = ctx.groups.pp > 1
         self.preemption, self.saver = preemption, saver
         self.stop_requested = False     # a rank got a preemption signal before this step's end
         self.saves_written = True       # every rank's checkpoint writer has finished
         self.grad_sync = None if self.pipeline else self.model.grad_sync
-        self.noise = noise_scale.for_run(recipe, ds, ctx, dp_size, monitor_state)
+        self.noise = self.history.noise
         if self.grad_sync is not None:
             self.grad_sync.mode = replica_sync_mode(ds)
         if self.pipeline:
-            from training import pipeline
+            from training.engine import pipeline
             gas = ds["gradient_accumulation_steps"]
-            # DeepSpeed divides the last stage's loss by gas: undo it (see training/pipeline.py).
+            # DeepSpeed divides the last stage's loss by gas: undo it (see training/engine/pipeline.py).
             self.model.loss_fn.ce_scale = dp_size * gas / self.tokens_per_step
             # The step's decision, left by ``_pipeline_before_step`` (DeepSpeed calls it inside
             # ``train_batch``) for the clipping below and for ``_pipeline_train_step``.
@@ -157,10 +137,6 @@ class Stepper:
             pipeline.before_optimizer_step(engine, lambda: self._pipeline_before_step(gas))
             if self.zero_stage == 0 and not self.half:
                 pipeline.clip_fp32_with_norm(engine, lambda: self._pipeline_decision.grad_norm_local)
-
-    def monitor_state(self) -> dict:
-        noise = {"noise_scale": self.noise.state()} if self.noise else {}
-        return {**self.spikes.state(), "tokens": self.tokens_seen, **noise}
 
     def train_step(self, step: int, batches) -> tuple[dict, dict]:
         """Forward/backward every micro-batch of ``step`` and take the optimizer step."""
@@ -195,7 +171,7 @@ class Stepper:
         return self._finish_step(step, decision, t0)
 
     def _stats_vector(self, device: torch.device) -> torch.Tensor:
-        """The step's statistics on the device (``training/step_stats.py``), holding the expert
+        """The step's statistics on the device (``training/step/stats.py``), holding the expert
         biases this step routes with (the same on every rank that holds a layer)."""
         stats = self.stats.new(device)
         self.stats.add_expert_biases(stats, self.model.expert_biases(),
@@ -240,8 +216,8 @@ class Stepper:
     def _to_host(self, step: int, stats: torch.Tensor) -> tuple[StepValues, dict]:
         """The step's one host copy: the summed statistics, and in the same all-reduce over the
         job the ranks that got a preemption signal (all stop after the same step;
-        ``training/preemption.py``), those whose checkpoint writer is still busy (all publish
-        the save together; ``training/saving.py``) and, every ``train.log_every`` steps, every
+        ``training/resilience/preemption.py``), those whose checkpoint writer is still busy (all publish
+        the save together; ``training/checkpoint/saving.py``) and, every ``train.log_every`` steps, every
         rank's mean busy seconds (``busy_row``). Sets ``stop_requested``, ``saves_written``;
         returns the statistics and the straggler metrics (empty off log steps)."""
         signalled = self.preemption is not None and self.preemption.received is not None
@@ -261,7 +237,7 @@ class Stepper:
         """Why the step is not applied (None: it is), and whether its loss is a spike."""
         if nonfinite or not math.isfinite(step_loss):
             return "non-finite loss", False
-        if self.spikes.is_spike(step_loss):
+        if self.history.spikes.is_spike(step_loss):
             skip = self.recipe.train.spike_action != "log"
             return (f"loss spike ({step_loss:.4f})" if skip else None), True
         return None, False
@@ -317,7 +293,7 @@ class Stepper:
         """The hook DeepSpeed calls before the optimizer step: ``_decide`` and
         ``_prepare_last_step`` on the statistics the stages stashed during the schedule."""
         stats = self._stats_vector(self.ctx.device)
-        self.model.add_step_stats(stats, gas, self.stats)   # device-side adds (training/pipeline.py)
+        self.model.add_step_stats(stats, gas, self.stats)   # device-side adds (training/engine/pipeline.py)
         decision = self._decide(self.where.step, stats)
         self._prepare_last_step(decision)
         self.where.phase = "optimizer step"
@@ -333,7 +309,7 @@ class Stepper:
             for group, lr in zip(engine.optimizer.param_groups, decision.saved_lr):
                 group["lr"] = lr
         if decision.skip_reason is None:
-            self.spikes.record(decision.values.loss)
+            self.history.spikes.record(decision.values.loss)
         if applied:
             self._update_expert_bias(decision.reduced)
         return self._row(step, decision, applied, time.time() - t0)
@@ -355,10 +331,10 @@ class Stepper:
         if gn is None:
             gn = decision.grad_norm_local
         gn = float(gn) if gn is not None else None
-        self.tokens_seen += int(values.tokens)
+        self.history.tokens += int(values.tokens)
         row = {"step": step, "loss": values.loss, "lr": decision.lr,
                "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
-               "tokens": self.tokens_seen, "tokens_per_s": values.tokens / step_time,
+               "tokens": self.history.tokens, "tokens_per_s": values.tokens / step_time,
                "step_time_s": step_time}
         if self.noise:
             row.update(self.noise.row(values.small_batch_grad_sq, row["grad_norm"], applied))

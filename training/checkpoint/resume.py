@@ -1,61 +1,24 @@
-"""Checkpoints: DeepSpeed's engine files plus the trainer's own state in ``client_state``.
+"""Resuming: the newest checkpoint that verifies, loaded into the engine at this run's layout.
 
-Layout under ``<run-dir>/checkpoints/``::
-
-    step00000050/      DeepSpeed's files for the checkpoint taken after optimizer step 50,
-                       and manifest.json (every file's size and CRC-32), written last
-    step00000100/
-    latest             the newest verified tag (the offline tools read it)
-
-Saving is ``training/saving.py``: DeepSpeed's ``save_checkpoint`` is told not to write ``latest``
-itself; once every rank's files are written and hashed, rank 0 writes the manifest
-(``training/manifest.py``) and only then moves ``latest`` (atomically). Old tags beyond
-``keep_last`` are deleted after the pointer has moved, by rank 0 in a background thread: no rank
-waits in a collective while hundreds of GB are removed. ``load`` (here) resumes from the newest
-checkpoint whose files all match its manifest, warning about any it skips, and refuses to start
-over when checkpoints exist but none verifies.
+``load`` tries the candidates of ``layout.candidates`` in order (``latest`` first), checks each
+against its manifest (``manifest.verify``, every rank a share of the files), warns about any it
+skips, and refuses to start over when checkpoints exist but none verifies. A checkpoint saved at
+another data- or model-parallel layout is refused with the command that converts it
+(``launch/to_universal.py``); a universal conversion is loaded when the DeepSpeed JSON asks for
+it. DeepSpeed reads its files through ``safe_load`` (weights only). What the trainer carries
+besides the engine (``client_state``, per-rank files) is ``state.py``'s.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from training import manifest, torch_load
-
-LATEST = "latest"
-UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
-LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer in <ckpt>/universal/
-
-
-def tag_for_step(step: int) -> str:
-    return f"step{step:08d}"
-
-
-def latest_tag(ckpt_dir: Path) -> str | None:
-    """The tag ``latest`` names (the offline tools read it), or None when there is none;
-    ValueError when its folder is missing."""
-    pointer = Path(ckpt_dir) / LATEST
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    if not tag or not (Path(ckpt_dir) / tag).is_dir():
-        raise ValueError(f"{pointer}: points to missing checkpoint {tag!r} (delete the file to "
-                         f"start over, or restore the checkpoint folder)")
-    return tag
-
-
-def candidates(ckpt_dir: Path) -> list[str]:
-    """The tags a resume tries, in order: the one ``latest`` names (even when its folder is
-    gone), then every ``step*`` folder, newest first. Empty when there is no checkpoint."""
-    pointer = Path(ckpt_dir) / LATEST
-    latest = pointer.read_text().strip() if pointer.is_file() else ""
-    steps = sorted((p.name for p in Path(ckpt_dir).glob("step*") if p.is_dir()), reverse=True)
-    return ([latest] if latest else []) + [t for t in steps if t != latest]
-
+from training.checkpoint import manifest, safe_load
+from training.checkpoint.layout import LATEST, LATEST_UNIVERSAL, UNIVERSAL, candidates, universal_tag
+from training.checkpoint.state import TrainState
 
 def _verified_tag(engine, ckpt_dir: Path) -> str | None:
     """The first of ``candidates`` whose files match its manifest (the same tag on every rank),
@@ -89,15 +52,6 @@ def _verified_tag(engine, ckpt_dir: Path) -> str | None:
     return tag
 
 
-def universal_tag(ckpt_dir: Path) -> str | None:
-    """The tag ``launch/to_universal.py`` last converted (``<ckpt>/universal/latest_universal``)."""
-    pointer = Path(ckpt_dir) / UNIVERSAL / LATEST_UNIVERSAL
-    if not pointer.is_file():
-        return None
-    tag = pointer.read_text().strip()
-    return tag if tag and (pointer.parent / tag).is_dir() else None
-
-
 def _model_states_file(folder: Path) -> Path | None:
     """DeepSpeed's model-states file of model-parallel rank 0 (ZeRO 0-2 or ZeRO-3 name)."""
     found = sorted(Path(folder).glob("*mp_rank_00_model_states.pt"),
@@ -109,7 +63,7 @@ def read_states(path: Path) -> dict:
     """A DeepSpeed ``*_model_states.pt`` memory-mapped (tensors are read only when touched);
     ValueError (one line) when it cannot be read."""
     try:
-        return torch_load.load(path, mmap=True)
+        return safe_load.load(path, mmap=True)
     except ValueError:                      # a pickled object that is not plain data
         raise
     except Exception as e:  # torch raises many types on a corrupted file
@@ -142,9 +96,10 @@ def _layout_mismatch(engine, folder: Path) -> str | None:
     return None
 
 
-def load(engine, ckpt_dir: Path) -> dict | None:
-    """Load the newest checkpoint that verifies (``_verified_tag``) into ``engine``; return its
-    client state, or None when there is no checkpoint.
+def load(engine, ckpt_dir: Path, state: TrainState) -> int | None:
+    """Load the newest checkpoint that verifies (``_verified_tag``) into ``engine`` and the
+    trainer's ``state`` (every registered part, ``state.py``); return its step, or None when
+    there is no checkpoint.
 
     With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON, the universal
     conversion of the newest checkpoint (``launch/to_universal.py``, under
@@ -183,7 +138,7 @@ def load(engine, ckpt_dir: Path) -> dict | None:
         # deepspeed.utils.groups, which only AutoTP sets ("intra_layer_model parallel group is
         # not initialized"); ours is the tp x ep group DeepSpeed got as ``mpu``.
         ds_groups._TENSOR_MODEL_PARALLEL_GROUP = engine.mpu.get_model_parallel_group()
-    torch_load.install(engine)                  # DeepSpeed's own reads: weights only
+    safe_load.install(engine)                  # DeepSpeed's own reads: weights only
     try:
         path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
     finally:
@@ -194,7 +149,10 @@ def load(engine, ckpt_dir: Path) -> dict | None:
                          f"incomplete): delete it and point {LATEST} at an older tag")
     if universal and engine.zero_optimization_stage() == 3:
         _fix_zero3_universal_load(engine, load_dir / tag)
-    return client_state
+    if universal and state.per_rank and engine.global_rank == 0:
+        print(f"warning: {', '.join(state.per_rank)} start afresh: per-rank state does not carry "
+              f"over a layout change", file=sys.stderr, flush=True)
+    return state.load(client_state, folder, same_world=not universal)
 
 
 def _universal_mismatch(engine, folder: Path) -> str | None:
@@ -203,7 +161,7 @@ def _universal_mismatch(engine, folder: Path) -> str | None:
     if stage == 0:        # DeepSpeed restores universal weights through the ZeRO optimizer only
         return ("ZeRO-0 cannot load a universal checkpoint (nothing would be restored): set "
                 "zero_optimization.stage to 1-3")
-    saved = torch_load.load(folder / "zero" / "optimizer_state.pt", mmap=True).get("zero_stage")
+    saved = safe_load.load(folder / "zero" / "optimizer_state.pt", mmap=True).get("zero_stage")
     if saved is not None and (int(saved) == 3) != (stage == 3):
         return (f"converted from a ZeRO-{int(saved)} checkpoint, this run uses ZeRO-{stage}; "
                 f"DeepSpeed loads a ZeRO-3 conversion only into ZeRO-3 and a ZeRO 1-2 one only "
@@ -226,7 +184,7 @@ def _fix_zero3_universal_load(engine, folder: Path) -> None:
         state = opt.optimizer.state.get(fp32, {})
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].clone()
-    saved = torch_load.load(folder / "zero" / "optimizer_state.pt",
+    saved = safe_load.load(folder / "zero" / "optimizer_state.pt",
                             mmap=True)["optimizer_state_dict"]["param_groups"]
     live = opt.optimizer.param_groups
     if len(saved) != len(live):
@@ -234,34 +192,3 @@ def _fix_zero3_universal_load(engine, folder: Path) -> None:
                          f"groups, this run {len(live)}: resume with the same optimizer settings")
     for group, settings in zip(live, saved):
         group.update({k: v for k, v in settings.items() if k != "params"})
-
-
-def read_run_config(run_dir: Path) -> dict:
-    """The run directory's config.json, checked to be the one ``launch/train.py`` writes."""
-    config_path = Path(run_dir) / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"--run-dir {run_dir}: no config.json (is this a run directory made "
-                         f"by launch/train.py?)")
-    try:
-        resolved = json.loads(config_path.read_text(encoding="utf-8"))
-        model, ds = resolved["recipe"]["model"], resolved["ds_config"]
-        if not (isinstance(model, dict) and "family" in model and isinstance(ds, dict)):
-            raise TypeError("recipe.model (with its family) and ds_config must be objects")
-    except KeyError as e:
-        problem = f"missing key {e}"
-    except (ValueError, TypeError) as e:                # bad JSON or UTF-8, wrong shapes
-        problem = str(e)
-    else:
-        return resolved
-    raise ValueError(f"--run-dir {run_dir}: config.json is not one launch/train.py wrote "
-                     f"({problem}); restore it or choose another run directory")
-
-
-def stop_message(step: int, reason: str, ckpt_dir: Path, tag: str | None) -> str:
-    """The line a run that stops early prints: with ``tag`` (a spike stop's save of the weights
-    from before the step) what to change; without, where the same command resumes."""
-    if tag:
-        return (f"stopping at step {step}: {reason}; the step was skipped and {ckpt_dir / tag} "
-                f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
-                f"train.spike_action=skip) and run the command again to resume")
-    return f"stopping at step {step}: {reason} and run the same command to resume from {latest_tag(ckpt_dir)}"

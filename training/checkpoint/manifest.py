@@ -82,7 +82,7 @@ def write_share(folder: Path, rank: int, world: int) -> None:
 
 def write_entries(folder: Path, rank: int, entries: dict) -> None:
     """This rank's share as given (name -> ``{"bytes", "crc32"}``): the files it wrote itself,
-    hashed from memory by a background save (``training/saving.py``)."""
+    hashed from memory by a background save (``training/checkpoint/saving.py``)."""
     atomic_write(_share_path(folder, rank), json.dumps(entries))
 
 

@@ -63,7 +63,7 @@ def build_partitioned(cfg, groups: ParallelGroups, ds: dict, seed: int,
     zero = ds.get("zero_optimization") or {}
     if (zero.get("offload_param") or {}).get("device") == "nvme" or zero.get("zero_hpz_partition_size", 1) > 1:
         raise ValueError("zero_optimization: offload_param to nvme and zero_hpz_partition_size > 1 "
-                         "are not supported by the partitioned build (training/sharded_build.py): "
+                         "are not supported by the partitioned build (training/engine/sharded_build.py): "
                          "offload to cpu, or leave zero_hpz_partition_size at 1")
     # mpu: DeepSpeed checks the JSON's batch sizes against our dp size.
     with deepspeed.zero.Init(config_dict_or_path=ds, mpu=groups,

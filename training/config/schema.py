@@ -5,7 +5,7 @@ JSON says *how* to optimize it (ZeRO stage, precision, batch, optimizer, LR sche
 kept apart so that one recipe runs under any ``ds_configs/*.json``. Each section checks its own
 fields; ``Recipe`` checks the sections against each other and the model (the parallel degrees
 through ``ParallelDims``, the checkpointing policy through ``CheckpointPolicy``). Reading YAML
-into these classes is ``training/recipe.py``.
+into these classes is ``recipe.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Literal
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig, check_int
 from model.parallel.dims import ParallelDims
+from training.data.sources import parse_sources
 
 # Byte-level BPE needs its 256 byte symbols plus the end-of-text token (data_pipeline/tokenizer.py).
 _MIN_BPE_VOCAB = 258
@@ -53,7 +54,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where the training text comes from and how it is cut into samples."""
+    """Where the training text comes from and how it is cut into samples.
+
+    ``train_specs`` and ``val_specs`` (``SourceSpec`` tuples, ``training/data/sources.py``): the
+    ``source`` and ``val_source`` entries with their blend weights, parsed once at validation.
+    """
 
     source: str | tuple[str | int | float, ...] = "stdlib"
     """stdlib, a prepared prefix, raw files/globs or hf:<name> (prepared into the cache); a list, or a blend [w, prefix, ...]."""
@@ -71,13 +76,15 @@ class DataConfig:
     """Packed documents attend only within themselves, positions restart after each EOS (Megatron's reset_*)."""
 
     def __post_init__(self) -> None:
-        from training.data_sources import parse_sources
         for name in ("source", "val_source"):
             value = getattr(self, name)
             if isinstance(value, list):
-                object.__setattr__(self, name, value := tuple(value))
-            if value is not None:
-                parse_sources(value, f"data.{name}")       # the forms, or one line naming the field
+                object.__setattr__(self, name, tuple(value))
+        # Parsed once, here (one line naming the field otherwise); everything after reads these
+        # two attributes (not fields: the recipe's YAML and config.json keep the forms as written).
+        object.__setattr__(self, "train_specs", parse_sources(self.source, "data.source"))
+        object.__setattr__(self, "val_specs", None if self.val_source is None else
+                           parse_sources(self.val_source, "data.val_source"))
         if not self.text_field:
             raise ValueError("data.text_field ('') is empty: name the text column, e.g. text")
         if not 0.0 < self.val_fraction < 1.0:
@@ -128,19 +135,19 @@ class TrainConfig:
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
     async_save: bool = True
-    """Write checkpoint files in a background thread while training goes on (training/saving.py)."""
+    """Write checkpoint files in a background thread while training goes on (training/checkpoint/saving.py)."""
     on_save_error: Literal["continue", "stop"] = "continue"
     """A checkpoint a rank could not write (disk full): keep training, or stop with exit code 74."""
     hang_timeout_s: float = 0.0
     """Seconds with no step done before every rank dumps stacks, exits 76; 0: 10x slowest, >= 300."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
-    """Signals that make every rank finish its step, save, and exit 75 (training/preemption.py)."""
+    """Signals that make every rank finish its step, save, and exit 75 (training/resilience/preemption.py)."""
     noise_scale: bool = True
-    """Log the gradient noise scale where the layout allows it exactly (training/noise_scale.py)."""
+    """Log the gradient noise scale where the layout allows it exactly (training/step/noise_scale.py)."""
     tf32: bool = False
     """On a GPU, fp32 matmuls and convolutions in TF32 (10-bit mantissa; faster, less exact)."""
     compile: bool = False
-    """torch.compile each transformer block on its own (training/compile.py); eager by default."""
+    """torch.compile each transformer block on its own (training/engine/compile.py); eager by default."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("seed", 0), ("save_every", 0), ("keep_last", 0),

@@ -88,14 +88,11 @@ class NoiseScale:
         b_big: tokens of one optimizer step (all micro-batches, all data-parallel ranks).
         gas: the gradient accumulation steps.
         dp_size: data-parallel ranks whose ``|G_small|^2`` are summed in the statistics.
-        state: ``state()`` of a resumed run.
     """
 
-    def __init__(self, b_small: int, b_big: int, gas: int, dp_size: int, state: dict | None = None):
+    def __init__(self, b_small: int, b_big: int, gas: int, dp_size: int):
         self.b_small, self.b_big, self.gas, self.dp_size = b_small, b_big, gas, dp_size
-        s = state or {}
-        self.ema_grad_sq, self.ema_trace, self.updates = (s.get("ema_grad_sq", 0.0),
-                                                          s.get("ema_trace", 0.0), s.get("updates", 0))
+        self.ema_grad_sq, self.ema_trace, self.updates = 0.0, 0.0, 0
 
     def measure(self, model: torch.nn.Module, slot: torch.Tensor) -> None:
         """Add this rank's ``|G_small|^2`` into ``slot`` (a view of the statistics vector)."""
@@ -115,15 +112,18 @@ class NoiseScale:
         noise = self.ema_trace / self.ema_grad_sq if self.ema_grad_sq > 0 else None
         return {"gns_grad_sq": grad_sq, "gns_trace": trace, "gradient_noise_scale": noise}
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"ema_grad_sq": self.ema_grad_sq, "ema_trace": self.ema_trace, "updates": self.updates}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.ema_grad_sq, self.ema_trace, self.updates = (state.get("ema_grad_sq", 0.0),
+                                                          state.get("ema_trace", 0.0), state.get("updates", 0))
 
-def for_run(recipe, ds: dict, ctx, dp_size: int, monitor_state: dict | None) -> NoiseScale | None:
+
+def for_run(recipe, ds: dict, ctx, dp_size: int) -> NoiseScale | None:
     """The run's ``NoiseScale``, or None when ``train.noise_scale`` is off or the layout does not
     allow an exact measurement (``unavailable_reason``)."""
     if not recipe.train.noise_scale or unavailable_reason(ds, ctx.groups):
         return None
     micro, gas = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    return NoiseScale(micro * recipe.seq_len, ds["train_batch_size"] * recipe.seq_len, gas, dp_size,
-                      (monitor_state or {}).get("noise_scale"))
+    return NoiseScale(micro * recipe.seq_len, ds["train_batch_size"] * recipe.seq_len, gas, dp_size)

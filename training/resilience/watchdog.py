@@ -31,7 +31,7 @@ checkpoint, and the launch scripts' ``--max-restarts`` reruns it (``launch/commo
   of the last ``AUTO_WINDOW`` step intervals, at least ``AUTO_FLOOR_S``. Until the first
   optimizer step completes (process groups, data, model, checkpoint load, the first step's
   compilation) the start-up allowance holds: ``startup_allowance``, which also bounds the ranks'
-  wait for rank 0's start-up work (``training/run_setup.py`` ``rank0_first``).
+  wait for rank 0's start-up work (``training/run/distributed.py`` ``DistContext.rank0_first``).
 - **A lost peer.** ``peer_lost`` recognises the backends' errors for a peer that went away
   (``is_peer_lost``) and prints the same kind of line from the lowest surviving rank.
 
@@ -88,7 +88,7 @@ class Watchdog:
         run_dir: the run directory (heartbeats are written only after ``attach``).
         rank, world_size: this process's place in the job.
         hang_timeout_s: ``train.hang_timeout_s`` (0: automatic, see the module docstring).
-        where: the trainer's ``training.stepping.StepContext`` (its phase goes into the files).
+        where: the trainer's ``training.step.stepper.StepContext`` (its phase goes into the files).
     """
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, hang_timeout_s: float,

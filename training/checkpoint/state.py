@@ -1,0 +1,92 @@
+"""What a checkpoint carries besides DeepSpeed's engine files, declared in one place.
+
+Every stateful part of the run is registered once, by name, with the ``state_dict`` /
+``load_state_dict`` pair (the ``Stateful`` protocol of torchtitan and ``torch.distributed
+.checkpoint``); a save writes every part's state and a resume hands each part its own back, so a
+new part needs one ``register`` line and nothing in the save or resume code. ``state_dict``
+returns plain data (dicts, lists, numbers, strings): the checkpoint is read back weights-only
+(``safe_load.py``).
+
+Two kinds of part:
+
+- **shared** (the same on every rank: the data order's position, the spike window, the token
+  count): in DeepSpeed's ``client_state``, which its ``mp_rank_XX_model_states.pt`` files hold.
+  The keys are the parts' names (``"data"``, ``"monitor"``) beside ``"step"``, the optimizer step
+  the checkpoint holds.
+- **per rank** (``per_rank=True``; each rank's own, e.g. a compressor's error feedback): one file
+  per rank, ``trainer_state_rank<r>.pt`` in the checkpoint's folder, written through the same
+  path as the engine's files (in the background writer, fsynced, in the manifest).
+
+A checkpoint that lacks a registered part is refused in one line (``load``): resuming without
+it would silently change the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from training.checkpoint import safe_load
+
+STEP = "step"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def rank_file(folder: Path, rank: int) -> Path:
+    """The per-rank state file of ``rank`` in the checkpoint folder ``folder``."""
+    return Path(folder) / f"trainer_state_rank{rank:05d}.pt"
+
+
+class TrainState:
+    """The run's registered parts (see the module docstring).
+
+    Args:
+        rank: this process's global rank (names its per-rank file).
+    """
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.shared: dict[str, Stateful] = {}
+        self.per_rank: dict[str, Stateful] = {}
+
+    def register(self, name: str, part: Stateful, per_rank: bool = False) -> None:
+        """Carry ``part`` in every checkpoint under ``name``."""
+        if name == STEP or name in self.shared or name in self.per_rank:
+            raise ValueError(f"checkpoint state {name!r} is registered twice (or is {STEP!r})")
+        (self.per_rank if per_rank else self.shared)[name] = part
+
+    def client_state(self, step: int) -> dict:
+        """DeepSpeed's ``client_state`` for a checkpoint of ``step``: every shared part."""
+        return {STEP: step, **{name: part.state_dict() for name, part in self.shared.items()}}
+
+    def rank_state(self) -> dict | None:
+        """This rank's per-rank parts, or None when none is registered (no file is written)."""
+        return {name: part.state_dict() for name, part in self.per_rank.items()} or None
+
+    def load(self, client_state: dict, folder: Path, same_world: bool = True) -> int:
+        """Hand each part its state from ``client_state`` (and this rank's file in ``folder``);
+        returns the checkpoint's step. ``same_world`` False (a universal checkpoint loaded at
+        another layout): per-rank state cannot be mapped onto other ranks, and those parts keep
+        their fresh state. ValueError (one line) for a missing part."""
+        missing = [name for name in self.shared if name not in client_state]
+        if missing:
+            raise ValueError(f"checkpoint {folder} holds no {', '.join(missing)} state (it was written "
+                             f"by a trainer without it): resume with the code that wrote it")
+        for name, part in self.shared.items():
+            part.load_state_dict(client_state[name])
+        if self.per_rank and same_world:
+            path = rank_file(folder, self.rank)
+            if not path.is_file():
+                raise ValueError(f"checkpoint {folder} has no {path.name} (the per-rank state "
+                                 f"{', '.join(self.per_rank)}): resume with the code that wrote it")
+            states = safe_load.load(path)
+            for name, part in self.per_rank.items():
+                if name not in states:
+                    raise ValueError(f"{path}: holds no {name!r} state: resume with the code that wrote it")
+                part.load_state_dict(states[name])
+        return int(client_state[STEP])

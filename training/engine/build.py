@@ -1,0 +1,94 @@
+"""The model at this rank's layout and the DeepSpeed engine around it.
+
+``build_model``: the ``Transformer`` (every layout from the same full weights), its pipeline form
+(``pipeline.py``) with pipeline stages, partitioned over dp as it is built under ZeRO-3
+(``sharded_build.py``), blocks compiled when asked (``compile.py``). ``build_engine``:
+``deepspeed.initialize`` with the trainer's parameter groups, optimizer and schedule
+(``training/optim/``), and the process groups DeepSpeed reduces over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+from model import Transformer, TransformerConfig
+from model.parallel.groups import ParallelGroups
+from training.checkpoint.shard_maps import enable_universal_checkpoint
+from training.engine.compile import compile_blocks
+from training.engine.sharded_build import build_partitioned, builds_partitioned
+from training.optim import optimizers, schedules
+
+
+def build_model(recipe, init_from: Path | None, groups: ParallelGroups,
+                ds: dict | None = None, eos_token_id: int | None = None) -> Transformer:
+    """The model at this rank's layout; every layout starts from the same full weights. With
+    pipeline stages, this rank's layers of a ``training.engine.pipeline.TransformerPipe``. Under ZeRO-3
+    (``ds``, the run's DeepSpeed JSON) partitioned over dp as it is built, so that no rank ever
+    holds the whole model (``training/engine/sharded_build.py``). With ``data.document_masking`` the
+    tokenizer's ``eos_token_id`` separates the documents (``model/document_mask.py``)."""
+    if recipe.data.document_masking:
+        if eos_token_id is None:
+            raise ValueError("data.document_masking is true but build_model got no eos_token_id")
+        recipe = dataclasses.replace(recipe, model=dataclasses.replace(
+            recipe.model, document_separator_id=eos_token_id))      # validated by the Recipe
+    if builds_partitioned(ds) and recipe.parallel.pipeline_parallel_size == 1:
+        ds_for_init, _ = schedules.split_scheduler(ds)    # DeepSpeed's keys only
+        model = build_partitioned(recipe.model, groups, ds_for_init, recipe.train.seed, init_from)
+        model.set_activation_checkpointing(recipe.train.activation_checkpointing)
+        return compile_blocks(model, recipe.train.compile, ds)
+    if recipe.parallel.pipeline_parallel_size > 1:
+        from training.engine.pipeline import TransformerPipe
+        from safetensors.torch import load_file
+        init = None if init_from is None else load_file(str(init_from / "model.safetensors"))
+        return compile_blocks(TransformerPipe(recipe.model, groups, recipe.train.seed,
+                                              recipe.train.activation_checkpointing, init), recipe.train.compile)
+    model = Transformer(recipe.model, groups, init_seed=recipe.train.seed)
+    if init_from is not None:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(str(init_from / "model.safetensors")), strict=True)
+    model.set_activation_checkpointing(recipe.train.activation_checkpointing)
+    return compile_blocks(model, recipe.train.compile)
+
+
+def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups,
+                 model_cfg: TransformerConfig | None = None):
+    """``deepspeed.initialize`` with our parameter groups (muP's per-group lrs when ``model_cfg``
+    asks for them), optimizer and scheduler choices."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    ds, our_sched = schedules.split_scheduler(ds)
+    wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
+    param_groups = optimizers.param_groups(model, wd, model_cfg)
+    ds = optimizers.apply_group_lr_scales(ds, param_groups)
+    client_opt, ds = optimizers.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
+    lr_scheduler = None
+    if our_sched is not None:      # DeepSpeed calls it with the optimizer it built
+        lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
+    # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
+    mpu = groups if groups.tp * groups.ep > 1 else None
+    if groups.pp > 1:   # the pipeline's grid is DeepSpeed's mpu (same rank order, training/engine/pipeline.py)
+        from training.engine.pipeline import pipeline_ds_config
+        mpu, ds = None, pipeline_ds_config(ds)
+    if isinstance(model, Transformer):  # how each shard was cut, for ds_to_universal (not pipes)
+        enable_universal_checkpoint(model, groups)
+    # DeepSpeed keeps the last engine's mpu in a module global and never clears it: a later engine
+    # of this process without one (several runs in one process) would reduce over the old groups.
+    from deepspeed.utils import groups as ds_groups
+    ds_groups.mpu = None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
+                                      optimizer=client_opt, lr_scheduler=lr_scheduler,
+                                      config=ds, mpu=mpu)
+    return engine
+
+
+def optimizer_summary(engine) -> dict:
+    """The optimizer DeepSpeed built from the JSON: the class that runs the update (``torch_adam``,
+    ``fused``/``foreach`` and ``offload_optimizer`` decide it: torch's ``AdamW``, ``FusedAdam``,
+    ``DeepSpeedCPUAdam``, ...) and the ZeRO or mixed-precision wrapper around it."""
+    inner = engine.basic_optimizer or engine.optimizer
+    flags = {k: inner.defaults[k] for k in ("foreach", "fused") if inner.defaults.get(k) is not None}
+    return {"update": f"{type(inner).__module__}.{type(inner).__qualname__}", **flags,
+            "wrapper": None if engine.optimizer is inner else type(engine.optimizer).__name__}
