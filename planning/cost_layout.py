@@ -69,9 +69,12 @@ class Shape:
 
     def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
         """Model FLOPs per token, the two MFU conventions: 6 x matmul weights + attention
-        6 L h s (causal: the mask halves the score and value products) or 12 L h s (whole)."""
-        return 6.0 * self.matmul_params_per_token() + (6.0 if causal else 12.0) * \
-            self.layers * self.hidden * seq_len
+        3 L s (w_qk + w_v) (causal: the mask halves the score and value products) or 6 L s
+        (w_qk + w_v) (whole), w = heads x the query-key and value widths (6 L h s and 12 L h s when
+        they are the hidden size; ``training.hardware.train_flops_per_token``)."""
+        width = 2 * self.heads * self.head_dim          # query-key and value widths, equal here
+        return 6.0 * self.matmul_params_per_token() + (3.0 if causal else 6.0) * \
+            self.layers * width * seq_len
 
     def is_moe(self, layer: int) -> bool:
         """The model's rule (``TransformerConfig.is_moe_layer``): past the leading dense layers,

@@ -165,7 +165,7 @@ def step_time(recipe: Recipe, est: dict, ds: dict, where: Cluster,
     """Predicted seconds per optimizer step of ``est``'s layout on ``where``, by the cost model
     (``planning/cost_model.py``: GEMMs at shape-dependent efficiency, attention, memory-bound
     work, recomputation, TP/SP/DP/ZeRO/EP/PP communication with the overlap DeepSpeed allows,
-    the 1F1B bubble), with the MFU in both conventions (6 L h s and 12 L h s attention)."""
+    the 1F1B bubble), with the MFU in both conventions (attention causal and whole)."""
     shape = Shape.from_config(recipe.model)
     layout = trainer_layout(recipe, est, ds, moe_imbalance)
     cost = step_cost(shape, layout, where).as_dict()
@@ -316,7 +316,7 @@ def format_estimate(est: dict) -> str:
     if pred:
         lines.append(f"  predicted step (planning/cost_model.py, {est['gpu']}): {pred['step_s']:.3f} s, "
                      f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {pred['mfu']:.1%} "
-                     f"(12 L h s attention: {pred['mfu_full_attn']:.1%}); compute "
+                     f"(attention whole: {pred['mfu_full_attn']:.1%}); compute "
                      f"{pred['compute_s']:.3f} s, bubble {pred['bubble_s']:.3f} s, exposed "
                      + ", ".join(f"{k} {pred[f'{k}_comm_s']:.3f} s" for k in ("tp", "dp", "ep", "pp")))
     b = est["build"]
@@ -370,7 +370,7 @@ def format_plan(result: dict, command: str, note: str) -> str:
     b = best["breakdown"]
     lines += ["", "compute of #1 per step: " + ", ".join(
         f"{k} {b[k]:.2f} s" for k in ("gemm", "attention", "elementwise", "recompute", "head")
-        if b.get(k)) + "; MFU counts 6 L h s (causal) and 12 L h s (MFU-12) for attention"]
+        if b.get(k)) + "; MFU counts attention causal, 3 L s (w_qk + w_v), and whole (MFU-12), 6 L s (w_qk + w_v)"]
     if len(result["layouts"]) > 1:
         lines.append(why_first(best, result["layouts"][1]))
     return "\n".join(lines + ["", "best:", command] + ([note] if note else []))

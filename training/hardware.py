@@ -62,11 +62,21 @@ def matmul_params_per_token(cfg: TransformerConfig) -> int:
     return total
 
 
+def attention_widths(cfg: TransformerConfig) -> tuple[int, int]:
+    """(heads x query-key width, heads x value width): the widths of the attention scores'
+    product (Q K^T) and of the weighted sum of the values (P V), per token. Both are
+    ``num_heads x head_dim`` here, which is ``hidden_size`` only when ``attn_head_dim`` is unset
+    (Qwen3-30B-A3B: 32 x 128 = 4096 against hidden 2048)."""
+    return cfg.num_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
+
+
 def train_flops_per_token(cfg: TransformerConfig, seq_len: int, causal: bool = True) -> float:
-    """6 x active matmul params + attention scores and values: 12 x layers x hidden x seq, halved
-    by the causal mask (``causal``, our ``mfu``) or whole (``mfu_full_attn``, torchtitan's and most
-    published figures' count)."""
-    attention = (6.0 if causal else 12.0) * cfg.num_layers * cfg.hidden_size * seq_len
+    """6 x active matmul params + attention scores and values, 6 x layers x seq x (heads x
+    query-key width + heads x value width) (``attention_widths``; 12 x layers x hidden x seq when
+    both are the hidden size), halved by the causal mask (``causal``, our ``mfu``) or whole
+    (``mfu_full_attn``, torchtitan's and most published figures' count)."""
+    qk, v = attention_widths(cfg)
+    attention = (3.0 if causal else 6.0) * cfg.num_layers * seq_len * (qk + v)
     return 6.0 * matmul_params_per_token(cfg) + attention
 
 

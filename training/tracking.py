@@ -16,9 +16,11 @@ import uuid
 from pathlib import Path
 
 MFU_NOTE = ("MFU counts 6 x active matmul parameters per token (attention, routed experts, "
-            "router, output head; not the input embedding) + 6 x layers x hidden x seq "
-            "(causal attention), over the GPU's dense bf16 peak; mfu_full_attn counts attention "
-            "as 12 x layers x hidden x seq, as torchtitan and most published MFU figures do")
+            "router, output head; not the input embedding) + 3 x layers x seq x (heads x "
+            "query-key width + heads x value width) (causal attention; 6 x layers x hidden x seq "
+            "when both widths are the hidden size), over the GPU's dense bf16 peak; mfu_full_attn "
+            "counts attention whole, 6 x layers x seq x (the two widths), as torchtitan and most "
+            "published MFU figures do")
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
