@@ -232,20 +232,25 @@ launch_deepspeed_hostfile() {
     hosts=$(awk '!/^[[:space:]]*(#|$)/ {n++} END {print n + 0}' "$HOSTFILE")
     (( hosts >= NUM_NODES )) ||
         die "$HOSTFILE lists $hosts hosts, this script needs $NUM_NODES ('HOST slots=$NPROC_PER_NODE' per line)"
+    # The restart loop reads the ranks' exit codes from this file (_run_restarting): the remote
+    # ranks get its name only through .deepspeed_env, so it is set before that file is written.
+    (( MAX_RESTARTS > 0 )) && export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
     local forward
     mapfile -t forward < <(compgen -e | grep -E \
-        '^(TORCH_NCCL_[A-Z_]+|TORCH_FR_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
-    (( DRY_RUN )) || _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
+        '^(TORCH_NCCL_[A-Z_]+|TORCH_FR_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|TRAIN_EXIT_CODE_FILE|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
+    _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
     _run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
         ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }
 
-# _write_deepspeed_env NAMES...: put NAMES into ./.deepspeed_env, keeping the file's other lines.
+# _write_deepspeed_env NAMES...: put NAMES into ./.deepspeed_env, keeping the file's other lines
+# (--dry-run: print the lines it would write on stderr, "# .deepspeed_env: ...", and write nothing).
 _write_deepspeed_env() {
     local f=.deepspeed_env n lines=() pattern
     pattern="^($(IFS='|'; echo "$*"))="
     [[ -f $f ]] && mapfile -t lines < <(grep -Ev "$pattern" "$f" || true)
     for n in "$@"; do [[ -n ${!n-} ]] && lines+=("$n=${!n}"); done
+    if (( DRY_RUN )); then echo "# .deepspeed_env: ${lines[*]-}" >&2; return; fi
     if (( ${#lines[@]} )); then printf '%s\n' "${lines[@]}" >"$f"; else rm -f "$f"; fi
 }
 

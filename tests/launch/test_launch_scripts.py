@@ -209,6 +209,26 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
     assert (tmp_path / ".deepspeed_env").read_text() == "MY_VAR=2\n"
 
 
+def test_a_hostfile_launch_hands_the_ranks_the_exit_code_file_through_deepspeed_env(tmp_path):
+    """pdsh forwards only a few variables to the other nodes: the ranks there learn where to
+    write their exit codes only from ./.deepspeed_env. The fake launcher reads its environment
+    from that file alone, as a remote rank does, and reports bad input (2): the restart loop must
+    read it and stop, not restart on the launcher's own code (1). The dry run prints the lines."""
+    hostfile, recipe, config = _hostfile(tmp_path, 2), str(REPO / RECIPE), str(REPO / CONFIG)
+    dry = _run("multinode_hostfile.sh", "--max-restarts", "2", hostfile, recipe, config, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    listed = next(line for line in dry.stderr.splitlines() if line.startswith("# .deepspeed_env: "))
+    assert "TRAIN_EXIT_CODE_FILE=" + str(tmp_path / ".train_exit_codes.") in listed, listed
+    assert not (tmp_path / ".deepspeed_env").exists()
+    counter = tmp_path / "attempts"
+    env = _fake_bin(tmp_path, "deepspeed", f'echo x >> {counter}\n'
+                    'env -i sh -c \'. ./.deepspeed_env; echo "2 3" >> "$TRAIN_EXIT_CODE_FILE"\'\nexit 1\n')
+    proc = _run("multinode_hostfile.sh", "--max-restarts", "2", hostfile, recipe, config, env=env,
+                cwd=tmp_path, dry_run=False)
+    assert proc.returncode == 2, proc.stderr
+    assert counter.read_text().count("x") == 1 and "not restarted" in proc.stderr, proc.stderr
+
+
 def test_slurm_script_passes_the_time_limit_warning_to_the_ranks_and_requeues(tmp_path):
     """Not a dry run: a fake ``srun`` stands for the ranks (it exits 75 on SIGTERM, as the trainer
     does after saving), a fake ``scontrol`` records the requeue. SLURM's warning (USR1 to the
