@@ -8,7 +8,8 @@ threads 2.6-2.8 MB/s: its threads buy what a second process does, so with both t
 oversubscribe the cores. One worker encodes in this process, with no start-up cost.
 
 At most ``2 * workers`` batches are in flight, so memory stays a few batches whatever the corpus
-size; every wait for a result has a timeout, and a worker that dies is one line, not a hang.
+size; every wait for a result has a timeout, and a worker that dies is one line, not a hang;
+after an error the workers are killed, not waited for (a hung one would never finish).
 The workers are spawned (never forked: the caller may hold threads or a CUDA context), so they
 import the main script again: keep its work under ``if __name__ == "__main__":``.
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 RESULT_TIMEOUT_S = 900.0          # one batch is about a second of work: only a hung worker takes this
 START_TIMEOUT_S = 180.0
+KILL_WAIT_S = 5.0                 # for each killed worker to be reaped after an error
 ENCODE_GROUP_CHARS = 128_000
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
 _state: dict = {}
@@ -119,9 +121,21 @@ class Encoder:
                     f"{e}); fix: check the machine's load and memory, or use --workers 1") from None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            if exc_type is None:
+                self._pool.shutdown(wait=True)
+            else:
+                # A worker may be hung (the result timeout) or dead: waiting would wait for it
+                # (``shutdown(wait=True)`` joins the running task), so the workers are killed and
+                # the error goes up at once. ``_processes``: the executor has no public handle on
+                # them before Python 3.14's ``kill_workers``.
+                workers = list((self._pool._processes or {}).values())
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                for proc in workers:
+                    proc.kill()
+                for proc in workers:
+                    proc.join(timeout=KILL_WAIT_S)
         _state.clear()
 
     def map(self, batches: Iterable[list[str]], where: str = "") -> Iterator[tuple]:

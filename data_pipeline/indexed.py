@@ -29,6 +29,7 @@ A *prepared dataset* is what ``launch/prepare_data.py`` writes: shards
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -71,6 +72,34 @@ def temp_file(target: Path, tag: str) -> tuple[int, Path]:
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.{tag}.", dir=target.parent)
     os.fchmod(fd, _FILE_MODE)
     return fd, Path(name)
+
+
+def pair_sizes(documents: int, tokens: int, dtype) -> tuple[int, int]:
+    """The bytes of the ``.bin`` and ``.idx`` that ``IndexedWriter`` writes for ``documents``
+    documents of ``tokens`` tokens in all: a check of a published shard that reads no token."""
+    n = documents
+    return tokens * np.dtype(dtype).itemsize, _HEADER.size + 4 * n + 8 * n + 8 * (n + 1)
+
+
+def sync_file(f) -> None:
+    """Flush the open file ``f`` (a file object) to the disk: what a rename publishes must be
+    on the disk first, or a power or node crash can leave the published name on garbage."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def sync_directory(path: str | os.PathLike) -> None:
+    """Flush a directory's entries (the names renamed or created in it) to the disk. A
+    filesystem that cannot fsync a directory (EINVAL: some network filesystems) keeps its own
+    ordering, and is left to it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def with_suffix(prefix: str | os.PathLike, suffix: str) -> Path:
@@ -226,6 +255,8 @@ class IndexedWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         tmp_idx = None
         try:
+            if exc_type is None:
+                sync_file(self._bin)             # on the disk before any name points at it
             self._bin.close()
             if exc_type is None:
                 tmp_idx = self._write_index()
@@ -234,6 +265,7 @@ class IndexedWriter:
                 idx_path.unlink(missing_ok=True)
                 os.replace(self._tmp_bin, bin_path)
                 os.replace(tmp_idx, idx_path)
+                sync_directory(self.prefix.parent)
         finally:
             for tmp in (self._tmp_bin, tmp_idx):
                 if tmp is not None:
@@ -258,6 +290,7 @@ class IndexedWriter:
             # Document boundaries as sequence indices: one sequence per document, so 0, 1, ..., n.
             for lo in range(0, n + 1, _CHECK_CHUNK):
                 f.write(np.arange(lo, min(lo + _CHECK_CHUNK, n + 1), dtype=np.int64).tobytes())
+            sync_file(f)
         return name
 
 

@@ -11,9 +11,10 @@ For json key K the dataset prefix is ``{output_prefix}_{K}_document`` (Megatron'
 
 Work splits over machines without coordination: ``shard=(i, K)`` prepares the shards j with
 j % K == i, and every process writes the same manifest (atomically, by rename). A shard is
-published by renames (``IndexedWriter``), its ``.json`` last, so a killed run leaves no visible
-partial shard, and a rerun skips every shard whose ``.json`` matches the source's size, mtime and
-the tokenizer fingerprint.
+published by renames (``IndexedWriter``), each file on the disk before its name and its ``.json``
+last, so a killed run (or a crashed node) leaves no visible partial shard, and a rerun skips every
+shard whose ``.json`` matches the source's size, mtime and the tokenizer fingerprint and whose
+``.bin`` and ``.idx`` have the sizes it records (a damaged one is prepared again).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import time
 from pathlib import Path
 
 from data_pipeline.encoder import Encoder
-from data_pipeline.indexed import (IndexedWriter, manifest_path, optimal_dtype, shard_prefix, temp_file,
-                                  with_suffix)
+from data_pipeline.indexed import (IndexedWriter, manifest_path, optimal_dtype, pair_sizes, shard_prefix,
+                                  sync_directory, sync_file, temp_file, with_suffix)
 from data_pipeline.readers import ShardReader, check_field
 from data_pipeline.sources import Fields, ShardPlan, plan_shards
 
@@ -43,12 +44,15 @@ def dataset_prefix(output_prefix: str | os.PathLike, json_key: str) -> Path:
 
 
 def _write_json(path: Path, content: dict) -> None:
-    """Writes JSON atomically: a temporary file beside it, then a rename."""
+    """Writes JSON atomically and durably: a temporary file beside it, on the disk, then a
+    rename, then the directory's entry on the disk."""
     fd, tmp = temp_file(path, "tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(content, indent=1) + "\n")
+            sync_file(f)
         os.replace(tmp, path)
+        sync_directory(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -62,15 +66,22 @@ def _command(inputs, output_prefix, tokenizer_dir, json_key, append_eod, max_byt
 
 
 def _up_to_date(meta_path: Path, plan: ShardPlan, fingerprint: str, options: dict) -> bool:
+    """Whether the shard published at ``meta_path`` (its ``.json``) is this plan's, finished and
+    whole: the same source, tokenizer and options, and a ``.bin``/``.idx`` pair of the sizes its
+    ``.json`` records (a truncated or lost file, a crash or a copy cut short, is redone)."""
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
+        want = pair_sizes(meta["documents"], meta["tokens"], meta["dtype"])
+    except (OSError, ValueError, KeyError, TypeError):
         return False
     recorded, now = meta.get("source", {}), plan.describe()
     same_source = all(recorded.get(k) == now[k] for k in ("bytes", "mtime_ns", "stat_key", "budget"))
     prefix = meta_path.with_suffix("")
-    pair = with_suffix(prefix, ".bin").is_file() and with_suffix(prefix, ".idx").is_file()
-    return (same_source and pair and meta.get("tokenizer_fingerprint") == fingerprint
+    try:
+        have = (with_suffix(prefix, ".bin").stat().st_size, with_suffix(prefix, ".idx").stat().st_size)
+    except OSError:
+        return False
+    return (same_source and have == want and meta.get("tokenizer_fingerprint") == fingerprint
             and meta.get("options") == options)
 
 

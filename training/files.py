@@ -1,4 +1,4 @@
-"""Writing small files so that no reader ever sees half of one."""
+"""Writing small files so that no reader ever sees half of one, and what is published stays so."""
 
 from __future__ import annotations
 
@@ -6,18 +6,38 @@ import os
 import time
 from pathlib import Path
 
+from data_pipeline.indexed import sync_directory, sync_file
+
+__all__ = ["CACHE_DIR", "REPO", "atomic_write", "record_exit_code", "sync_directory", "sync_file",
+           "sync_path", "wait_for_file"]
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE_DIR = REPO / ".cache"         # the tokenizer, prepared raw sources, start-up markers
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str, durable: bool = True) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it and a rename (atomic on one
     filesystem): a reader, or a run killed mid-write, sees the old content or the new, never a mix.
-    """
+    ``durable``: the file on the disk before the rename and the directory's entry after it, so
+    that a power or node crash cannot leave the name on lost bytes (the checkpoint manifests,
+    ``latest``); off for files that are rewritten every few seconds and worthless after a crash
+    (heartbeats)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    with open(tmp, "w") as f:
+        f.write(text)
+        if durable:
+            sync_file(f)
     os.replace(tmp, path)
+    if durable:
+        sync_directory(path.parent)
+
+
+def sync_path(path: Path) -> None:
+    """Flush a file another writer has closed (DeepSpeed's ``torch.save``) to the disk: fsync
+    through any descriptor flushes the file's data."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,

@@ -183,6 +183,54 @@ def test_killed_run_leaves_no_shard_and_rerun_skips_finished_ones(tmp_path, tok_
     assert sum(calls) == 49 and open_prepared(tmp_path / "out" / "k_text_document").shards[1].num_documents == 49
 
 
+def test_a_rerun_prepares_a_damaged_shard_again(tmp_path, tok_dir, monkeypatch):
+    """A published shard whose .bin or .idx was cut short or lost (a crash, a copy stopped half
+    way): the rerun that the trainer's error asks for redoes that shard, bitwise as before, and
+    only it; the sizes are checked against its .json, no token is read."""
+    for i, name in enumerate("ab"):
+        write_jsonl(tmp_path / "in" / f"{name}.jsonl", 50 * i, 50)
+    inputs, out = [str(tmp_path / "in" / "*.jsonl")], tmp_path / "out" / "d"
+    prepare_dataset(inputs, out, tok_dir, progress=False)
+    whole = _files(out.parent)
+    real, calls = encoder_module.encode, []
+    monkeypatch.setattr(encoder_module, "encode", lambda texts: calls.append(len(texts)) or real(texts))
+    for damage in ("d_text_document-00001-of-00002.bin", "d_text_document-00000-of-00002.idx"):
+        path = out.parent / damage
+        path.write_bytes(path.read_bytes()[:-16])                 # truncated
+        with pytest.raises(ValueError):
+            open_prepared(tmp_path / "out" / "d_text_document")   # what the trainer reads refuses it
+        calls.clear()
+        prepare_dataset(inputs, out, tok_dir, progress=False)
+        assert sum(calls) == 50 and _files(out.parent) == whole, damage     # that shard, again
+    (out.parent / "d_text_document-00000-of-00002.bin").unlink()            # lost
+    calls.clear()
+    prepare_dataset(inputs, out, tok_dir, progress=False)
+    assert sum(calls) == 50 and _files(out.parent) == whole
+
+
+def test_a_hung_worker_raises_within_the_timeout_and_is_killed(tokenizer, monkeypatch):
+    """Both tokenizer workers stopped mid-run (SIGSTOP: a hang that never returns): the wait for
+    the next result gives up after RESULT_TIMEOUT_S with one line, and the encoder kills the
+    workers instead of waiting for the hung task, so the error leaves within a few seconds."""
+    import signal
+    import time
+    monkeypatch.setattr(encoder_module, "RESULT_TIMEOUT_S", 2.0)
+    backend = tokenizer.backend_tokenizer.to_str()
+    batches = ([text(i)] * 50 for i in range(1000))
+    start = None
+    with pytest.raises(TimeoutError, match=r"a tokenizer worker returned nothing for 2 s; fix:"):
+        with encoder_module.Encoder(backend, None, "uint16", workers=2) as enc:
+            workers = list(enc._pool._processes.values())
+            for _ in enc.map(batches):
+                if start is None:
+                    for proc in workers:
+                        os.kill(proc.pid, signal.SIGSTOP)
+                    start = time.monotonic()
+    took = time.monotonic() - start
+    assert took < 2.0 + 4.0, took
+    assert all(proc.exitcode is not None for proc in workers)           # gone, not left stopped
+
+
 def test_shards_split_over_machines_and_workers_give_identical_bytes(tmp_path, tok_dir, monkeypatch):
     _corpus(tmp_path / "in")
     inputs = [str(tmp_path / "in" / "*.jsonl"), str(tmp_path / "in" / "txt")]

@@ -23,6 +23,14 @@ op (libaio), which cannot build where libaio is missing, as on the CPU test mach
 ``torch.distributed.checkpoint.async_save`` writes DCP's format, not the DeepSpeed files that
 the resume path, ``launch/to_universal.py`` and the offline tools read.
 
+Durability: nothing is published before it is on the disk. Every file of the checkpoint is
+fsynced once written (a synchronous save fsyncs DeepSpeed's files after ``torch.save``), the
+ranks' shares and ``manifest.json`` through ``files.atomic_write`` (the file, then the rename, then
+its directory), the tag folder's entries before ``manifest.json`` and the checkpoint directory's
+before ``latest`` moves. Pruning runs only after that, so a power or node crash leaves either
+the previous checkpoint as ``latest`` or the new one whole, never a pruned old one and a lost new
+one (``tests/training/test_durability.py``).
+
 A save fails when a rank cannot write its part (a full disk, a permission, an I/O error): the
 ranks agree on it in one all-reduce, the one rank prints why, ``latest`` keeps naming the
 previous checkpoint, rank 0 removes the partial folder, and the run goes on or stops
@@ -48,7 +56,7 @@ from model.parallel import comm
 from training.checkpoint import manifest
 from training.checkpoint.layout import LATEST, tag_for_step
 from training.checkpoint.state import TrainState, rank_file
-from training.files import atomic_write
+from training.files import atomic_write, sync_directory, sync_path
 
 SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
 
@@ -164,8 +172,10 @@ class Saver:
         engine = self.engine
         layout = {"world_size": engine.world_size, "dp_world_size": engine.dp_world_size,
                   "mp_world_size": engine.mp_world_size}
+        sync_directory(save.folder)                 # every file's name on the disk, then the manifest
         manifest.merge(save.folder, save.step, layout, engine.world_size,
                        hash_the_rest=self.background)
+        sync_directory(self.ckpt_dir)               # the tag folder's own name, before latest names it
         atomic_write(self.ckpt_dir / LATEST, save.folder.name)
         wait_for_pruning()                          # the previous save's deletions, if still running
         old = _prunable(self.ckpt_dir, save.folder.name, self.keep_last)
@@ -194,7 +204,9 @@ def _engine_writes(engine, save: _Save, background: bool):
             save.files.append((Path(path), _snapshot(state_dict, {})))
             return None
         try:
-            return write(state_dict=state_dict, path=path)
+            written = write(state_dict=state_dict, path=path)
+            sync_path(Path(path))           # on the disk before the manifest names it
+            return written
         except OSError as err:
             save.errors.append(f"{err.strerror or err}: {path}")
         return None

@@ -169,7 +169,8 @@ class Watchdog:
         record = {"rank": self.rank, "launch": self.launch, "host": self.host, "pid": self.pid,
                   "step": self.step, "phase": phase, "state": self.state, "counter": self.counter}
         try:
-            atomic_write(self.run_dir / HEARTBEATS / f"rank{self.rank}.json", json.dumps(record))
+            atomic_write(self.run_dir / HEARTBEATS / f"rank{self.rank}.json", json.dumps(record),
+                         durable=False)      # rewritten every few seconds; worthless after a crash
         except OSError:
             pass                    # a full or blocked filesystem: the watchdog still fires
 
