@@ -16,7 +16,9 @@ from tests.runs import STEPS, launch, rows
 from training.resilience import watchdog
 
 CONFIG = "ds_configs/zero1_fp32.json"
-ARGS = ["train.save_every=2", "train.hang_timeout_s=30"]
+# A 10 s limit: heartbeats every second (a tenth of it), so that one names a completed step while
+# the 10-step run is still going.
+ARGS = ["train.save_every=2", "train.hang_timeout_s=10"]
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def _heartbeat(run_dir: Path, rank: int) -> dict | None:
 
 def _signal_rank_after(run_dir: Path, proc, rank: int, step: int, signum, timeout: float = 240) -> float:
     """Send ``signum`` to rank ``rank`` (its pid from its heartbeat) once ``metrics.jsonl`` shows
-    ``step`` and the rank's heartbeat names a completed step (heartbeats follow the steps a
-    quarter period behind: a fast run can log step ``step`` before the first such heartbeat);
+    ``step`` and the rank's heartbeat names a completed step (heartbeats follow the steps up to a
+    period behind: a fast run can log step ``step`` before the first such heartbeat);
     the time it was sent."""
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout

@@ -3,7 +3,9 @@
 Rank 0 trains the tokenizer and tokenizes the corpus while the other ranks poll for a marker file
 (``DistContext.rank0_first``). Here rank 0's tokenizer build takes 12 s while every process
 group's timeout is 6 s (``parallel.timeout_minutes=0.1``): a collective barrier around that work
-would fail with a gloo timeout; polling lets the run start and train.
+would fail with a gloo timeout; polling lets the run start and train. The other ranks take rank
+0's results from the marker (the tokenizer's folder, the prepared prefixes): sampling the corpus
+or planning the preparation on them raises.
 """
 
 from __future__ import annotations

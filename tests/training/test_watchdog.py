@@ -1,5 +1,7 @@
-"""The watchdog's parts without a job (training/resilience/watchdog.py): who the heartbeats say stopped, the
-allowed time, the peer-lost errors it recognises; and the checkpoint-share wait's timeout."""
+"""The watchdog (training/resilience/watchdog.py): who the heartbeats say stopped, the allowed time,
+the peer-lost errors it recognises, firing while the run directory blocks; the checkpoint-share
+wait's timeout and its end on a failed writer; and, in one launched job, slow phases between
+steps that are progress, not a hang."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from training.checkpoint import saving
 from training.resilience import watchdog
 from training.files import atomic_write
+from tests.runs import SMALL
 
 LAUNCH = 1234
 
@@ -132,3 +135,57 @@ def test_the_checkpoint_share_wait_names_the_missing_ranks(tmp_path):
     (tmp_path / "manifest.rank1.json").write_text("{}")
     (tmp_path / "manifest.rank3.json").write_text("{}")
     assert saving._all_shares_written(tmp_path, 4, timeout_s=0.3) is True
+
+
+@pytest.mark.parametrize("mode", ["stalled", "beating"])
+def test_the_watchdog_fires_while_the_run_directory_blocks(tmp_path, mode):
+    """The heartbeat's write blocks forever (a FIFO stands in for the hung filesystem): the
+    watchdog decides without it and exits 76 with one line within its 2 s timeout plus a few
+    seconds, stacks written. ``beating``: the trainer progresses and only that write is stuck,
+    past the timeout: the same end, and the line says a write blocks."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "tests/training/_blocked_watchdog.py", str(tmp_path / "run"), mode],
+                         capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == watchdog.EXIT_CODE and len(errors) == 1, out.stderr[-2000:]
+    assert took < 2.0 + 6.0, took
+    assert errors[0].startswith("error: a write to the run directory has not returned for " if mode == "beating"
+                                else "error: no progress for "), errors
+    assert (tmp_path / "run" / watchdog.HANG / "stacks_rank0.txt").read_text().startswith("rank 0 (pid ")
+
+
+def test_the_share_wait_ends_when_the_job_reports_a_failed_writer(tmp_path):
+    """Rank 0's writer stops waiting for the missing shares as soon as the step's job-wide sum
+    reports a failed writer (``abandon``), not after its hours-long timeout."""
+    (tmp_path / "manifest.rank0.json").write_text("{}")
+    abandon = threading.Event()
+    threading.Timer(0.3, abandon.set).start()
+    t0 = time.monotonic()
+    assert saving._all_shares_written(tmp_path, 2, timeout_s=3600, abandon=abandon) is False
+    assert time.monotonic() - t0 < 3
+
+
+def test_slow_saves_evaluations_and_closing_are_progress_not_a_hang(warm_launcher, tmp_path):
+    """``train.hang_timeout_s`` 3 s; each phase after the last step takes longer, in parts shorter
+    than it (1.8 s per checkpoint file and per evaluation batch, ``_slow_phases_run.py``): an
+    evaluation of 3 batches (5.4 s), a synchronous final save (rank 0's two files: 3.6 s, the
+    other rank waiting for it), a background final save on which the ranks wait in the job-wide
+    sum, and 4 s closing the metrics on rank 0. Both runs finish with exit code 0 and their
+    checkpoints published; before heartbeats in these phases the first run exited 76."""
+    sync, background = tmp_path / "sync", tmp_path / "background"
+    common = ["--config", "ds_configs/zero1_fp32.json", "--steps", "2", "--set", *SMALL,
+              "train.hang_timeout_s=3", "train.save_every=2"]
+    warm_launcher.script("tests/training/_slow_phases_run.py",
+                         [*common, "train.async_save=false", "eval.every=2", "--run-dir", str(sync),
+                          "--then", *common, "train.async_save=true", "eval.every=0",
+                          "--run-dir", str(background)],
+                         tmp_path / "run.log", extra_env={"SLOW_S": "1.8", "SLOW_CLOSE_S": "4"})
+    log = (tmp_path / "run.log").read_text()
+    assert "no progress for" not in log, log[-3000:]
+    assert (sync / "checkpoints" / "latest").read_text() == "step00000002"
+    assert (background / "checkpoints" / "latest").read_text() == "step00000002"
+    metrics = [json.loads(line) for line in (sync / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if "eval_loss" in r] == [2]
+    stalls = [r["save_stall_s"] for r in metrics if "save_stall_s" in r]
+    assert stalls and stalls[0] > 3, stalls           # the save did outlast the timeout

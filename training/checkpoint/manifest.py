@@ -55,13 +55,16 @@ def _order(sizes: dict[str, int]) -> list[str]:
     return sorted(sizes, key=lambda n: (-sizes[n], n))
 
 
-def checksum(path: Path) -> tuple[int, str]:
-    """(bytes read, CRC-32 as 8 hex digits) of the file at ``path``, read in 16 MiB chunks."""
+def checksum(path: Path, progress=None) -> tuple[int, str]:
+    """(bytes read, CRC-32 as 8 hex digits) of the file at ``path``, read in 16 MiB chunks;
+    ``progress()`` after each (the watchdog: hashing a large file is progress)."""
     crc, size, buf = 0, 0, bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             crc, size = zlib.crc32(view[:n], crc), size + n
+            if progress is not None:
+                progress()
     return size, f"{crc:08x}"
 
 
@@ -69,13 +72,13 @@ def _share_path(folder: Path, rank: int) -> Path:
     return Path(folder) / f"manifest.rank{rank}.json"
 
 
-def write_share(folder: Path, rank: int, world: int) -> None:
+def write_share(folder: Path, rank: int, world: int, progress=None) -> None:
     """Hash this rank's share of the files of ``folder`` (every rank has finished writing) into
-    ``manifest.rank<rank>.json``."""
+    ``manifest.rank<rank>.json``; ``progress()`` after each chunk hashed."""
     entries = {}
     sizes = {n: (Path(folder) / n).stat().st_size for n in list_files(folder)}
     for name in _order(sizes)[rank::world]:
-        size, crc = checksum(Path(folder) / name)
+        size, crc = checksum(Path(folder) / name, progress)
         entries[name] = {"bytes": size, "crc32": crc}
     atomic_write(_share_path(folder, rank), json.dumps(entries))
 
@@ -86,7 +89,8 @@ def write_entries(folder: Path, rank: int, entries: dict) -> None:
     atomic_write(_share_path(folder, rank), json.dumps(entries))
 
 
-def merge(folder: Path, step: int, layout: dict, world: int, hash_the_rest: bool = False) -> None:
+def merge(folder: Path, step: int, layout: dict, world: int, hash_the_rest: bool = False,
+          progress=None) -> None:
     """Rank 0, after every rank's share: check that the shares cover every file at the size each
     has now, write ``manifest.json`` (atomic) and delete the shares. ValueError (one line) when a
     file is not as hashed. ``hash_the_rest``: the files no share names (those DeepSpeed writes
@@ -98,7 +102,7 @@ def merge(folder: Path, step: int, layout: dict, world: int, hash_the_rest: bool
         files.update(json.loads(_share_path(folder, rank).read_text()))
     names = list_files(folder)
     for name in (n for n in names if hash_the_rest and n not in files):
-        size, crc = checksum(folder / name)
+        size, crc = checksum(folder / name, progress)
         files[name] = {"bytes": size, "crc32": crc}
     unhashed = sorted(set(names) ^ set(files))
     wrong = [n for n in names if n in files and (folder / n).stat().st_size != files[n]["bytes"]]

@@ -59,6 +59,8 @@ from training.checkpoint.state import TrainState, rank_file
 from training.files import atomic_write, sync_directory, sync_path
 
 SAVE_FAILED = 74                        # EX_IOERR: a checkpoint the run had to have was not written
+FINISH_POLL_S = 0.5                     # between the ranks' checks that every writer is done
+MAX_POLL_S = 2.0                        # rank 0's writer lists the folder at most this rarely
 
 
 @dataclass
@@ -75,6 +77,8 @@ class _Save:
     """Background saves: each file's path and state (on the host, ``_snapshot``), until written."""
     thread: threading.Thread | None = None
     """Background saves: the writer."""
+    abandon: threading.Event = field(default_factory=threading.Event)
+    """Set when another rank's writer failed: rank 0's writer stops waiting for its share."""
 
 
 class Saver:
@@ -98,6 +102,18 @@ class Saver:
         return self.pending is not None and self.pending.thread is not None and \
             self.pending.thread.is_alive()
 
+    @property
+    def failed(self) -> bool:
+        """Whether this rank's writer has ended in an error (summed over the job each step:
+        rank 0's writer then stops waiting for this rank's share, ``peer_failed``)."""
+        return self.pending is not None and bool(self.pending.errors) and not self.writing
+
+    def peer_failed(self) -> None:
+        """A rank's writer failed (the step's job-wide sum said so): rank 0's writer stops
+        waiting for the shares, and the next step boundary agrees on the failure."""
+        if self.pending is not None:
+            self.pending.abandon.set()
+
     def save(self, step: int, state: TrainState, wait: bool) -> None:
         """Save ``step`` with every part of ``state`` (``state.py``): the previous save is
         finished first; with ``wait`` (or without background saves) this one is finished before
@@ -109,7 +125,7 @@ class Saver:
             for stale in (save.folder / manifest.MANIFEST, *save.folder.glob("manifest.rank*")):
                 stale.unlink(missing_ok=True)  # DeepSpeed's first barrier orders this before any write
         rank_state = state.rank_state()
-        with _engine_writes(self.engine, save, self.background):
+        with _engine_writes(self.engine, save, self.background, self.progress):
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=save.folder.name,
                                         client_state=state.client_state(step), save_latest=False)
             if rank_state is not None:      # through the engine's writer: snapshotted, fsynced, hashed
@@ -140,10 +156,22 @@ class Saver:
         if save is None:
             return
         if save.thread is not None:
-            save.thread.join()
+            # Every rank's writer done, agreed in one small all-reduce per poll, the watchdog told
+            # of the wait meanwhile: a rank done first does not sit in one long collective while a
+            # slower one writes, and a rank that failed frees rank 0's writer from its wait.
+            while True:
+                busy, failed = comm.job_sum(torch.tensor(
+                    [float(save.thread.is_alive()), float(bool(save.errors) and not save.thread.is_alive())],
+                    device=self.device)).tolist()
+                if busy == 0:
+                    break
+                if failed:
+                    save.abandon.set()
+                self.progress()
+                save.thread.join(timeout=FINISH_POLL_S)
         rank, world = self.engine.global_rank, self.engine.world_size
         stages = (None,) if self.background else (
-            None, lambda: manifest.write_share(save.folder, rank, world),
+            None, lambda: manifest.write_share(save.folder, rank, world, self.progress),
             lambda: rank == 0 and self._publish(save))
         for stage in stages:
             if stage is not None:
@@ -174,7 +202,7 @@ class Saver:
                   "mp_world_size": engine.mp_world_size}
         sync_directory(save.folder)                 # every file's name on the disk, then the manifest
         manifest.merge(save.folder, save.step, layout, engine.world_size,
-                       hash_the_rest=self.background)
+                       hash_the_rest=self.background, progress=self.progress)
         sync_directory(self.ckpt_dir)               # the tag folder's own name, before latest names it
         atomic_write(self.ckpt_dir / LATEST, save.folder.name)
         wait_for_pruning()                          # the previous save's deletions, if still running
@@ -190,7 +218,7 @@ class Saver:
 
 
 @contextmanager
-def _engine_writes(engine, save: _Save, background: bool):
+def _engine_writes(engine, save: _Save, background: bool, progress=lambda: None):
     """DeepSpeed's file writes for the duration of one ``save_checkpoint``: snapshotted into
     ``save.files`` (background), or written with OSError recorded in ``save.errors`` instead of
     raised, so that a rank whose disk is full still reaches DeepSpeed's own barriers (a raise
@@ -206,6 +234,7 @@ def _engine_writes(engine, save: _Save, background: bool):
         try:
             written = write(state_dict=state_dict, path=path)
             sync_path(Path(path))           # on the disk before the manifest names it
+            progress()                      # a file done: the watchdog's progress
             return written
         except OSError as err:
             save.errors.append(f"{err.strerror or err}: {path}")
@@ -254,7 +283,7 @@ def _write(save: _Save, rank: int, world: int, publish=None, progress=lambda: No
             _write_file(path, state)
             del state
             progress()
-            size, crc = manifest.checksum(path)
+            size, crc = manifest.checksum(path, progress)
             entries[path.relative_to(save.folder).as_posix()] = {"bytes": size, "crc32": crc}
         if not save.errors:
             manifest.write_entries(save.folder, rank, entries)
@@ -268,18 +297,24 @@ def _write(save: _Save, rank: int, world: int, publish=None, progress=lambda: No
             pass                         # the boundary's all-reduce still reports the failure
         return
     try:
-        if publish is None or not _all_shares_written(save.folder, world, timeout_s):
+        if publish is None or not _all_shares_written(save.folder, world, timeout_s, save.abandon):
             return
         publish()
     except (OSError, ValueError) as err:
         save.errors.append(str(err))
 
 
-def _all_shares_written(folder: Path, world: int, timeout_s: float, poll_s: float = 0.05) -> bool:
+def _all_shares_written(folder: Path, world: int, timeout_s: float,
+                        abandon: threading.Event | None = None, poll_s: float = 0.05) -> bool:
     """Rank 0's writer: wait until every rank's share or failure marker exists; False when a
-    rank failed; after ``timeout_s`` a ValueError naming the ranks whose share is missing."""
+    rank failed (its marker, or ``abandon``: the step's job-wide sum said so, when the marker
+    could not be written either); after ``timeout_s`` a ValueError naming the ranks whose share
+    is missing. The folder is listed less often as the wait goes on (0.05 s doubling up to
+    ``MAX_POLL_S``): at 1,024 ranks a listing is a thousand entries on a shared filesystem."""
     start = time.monotonic()
     while True:
+        if abandon is not None and abandon.is_set():
+            return False
         names = {p.name for p in folder.glob("manifest.rank*")}
         if any(n.endswith(".failed") for n in names):
             return False
@@ -291,7 +326,8 @@ def _all_shares_written(folder: Path, world: int, timeout_s: float, poll_s: floa
             raise ValueError(f"waited {timeout_s:.0f} s for the checkpoint share of rank(s) "
                              f"{shown} in {folder}: those ranks died, or their writes to this "
                              f"filesystem block (is {folder.parent} shared by every node?)")
-        time.sleep(poll_s)
+        (abandon or threading.Event()).wait(poll_s)
+        poll_s = min(2 * poll_s, MAX_POLL_S)
 
 
 def _write_file(path: Path, state) -> None:

@@ -1,9 +1,10 @@
 """The run's tokenizer and data, built on every rank before the model.
 
 The tokenizer is ``tokenizer.path``, the ``--init-from`` dir's, the one prepared data names, or a
-byte-level BPE trained once on a sample of the raw sources (rank 0 first; the other ranks then
-read the cache). Raw sources are prepared into the cache (rank 0 with worker processes, the other
-ranks waiting on a marker file); prepared data is only opened, memory-mapped. The run's
+byte-level BPE trained once on a sample of the raw sources by rank 0 (the other ranks load the
+folder it names). Raw sources are prepared into the cache by rank 0 with worker processes, the other ranks waiting on a marker file
+that hands them the prepared prefixes (no re-planning: at 1,024 ranks that is a stat and a read
+of every input per rank); prepared data is only opened, memory-mapped. The run's
 ``data.source`` and ``data.val_source`` arrive parsed (``DataConfig.train_specs``/``val_specs``).
 """
 
@@ -31,9 +32,13 @@ def build_tokenizer(recipe, init_from: Path | None, ctx):
         tokenizer = load_local_tokenizer(path)
     else:
         budget = recipe.tokenizer.train_bytes
-        with ctx.rank0_first("tokenizer"):
-            tokenizer = load_tokenizer(None, sources.training_sample(recipe.data, budget),
-                                       recipe.tokenizer_vocab_size, CACHE_DIR, max_train_bytes=budget)
+        with ctx.rank0_first("tokenizer") as handoff:     # the others load the folder rank 0 names
+            if handoff.value is None:
+                tokenizer = load_tokenizer(None, sources.training_sample(recipe.data, budget),
+                                           recipe.tokenizer_vocab_size, CACHE_DIR, max_train_bytes=budget)
+                handoff.value = tokenizer.name_or_path
+            else:
+                tokenizer = load_local_tokenizer(handoff.value)
     if len(tokenizer) > recipe.model.vocab_size:
         raise ValueError(f"model.vocab_size ({recipe.model.vocab_size}) is smaller than the "
                          f"tokenizer ({len(tokenizer)} tokens): raise model.vocab_size")
@@ -46,8 +51,11 @@ def build_data(recipe, ds: dict, tokenizer, dp_size: int, ctx):
     prepared data is only opened, memory-mapped."""
     small = recipe.data.max_bytes is not None and recipe.data.max_bytes <= 16_000_000
     workers = 1 if small else max(1, min(8, os.cpu_count() or 1))    # a worker's start costs seconds
-    with ctx.rank0_first("prepare data"):
-        prepared = sources.prepare_raw(recipe.data, tokenizer, CACHE_DIR, workers, progress=ctx.rank == 0)
+    with ctx.rank0_first("prepare data") as handoff:  # the others open what rank 0 prepared
+        if handoff.value is None:
+            handoff.value = sources.prepare_raw(recipe.data, tokenizer, CACHE_DIR, workers,
+                                                progress=ctx.rank == 0)
+    prepared = handoff.value
     ctx.end_startup()
     train, val = sources.open_sources(recipe.data, prepared, recipe.model.vocab_size,
                                           tokenizer_fingerprint(tokenizer))

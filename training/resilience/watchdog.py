@@ -8,34 +8,36 @@ still holds its sockets), 30 minutes of a whole cluster idle. This module turns 
 line naming the rank, and exit code ``EXIT_CODE``; the same command resumes from the newest
 checkpoint, and the launch scripts' ``--max-restarts`` reruns it (``launch/common.sh``).
 
-- **Heartbeats.** Every rank's watchdog thread writes ``<run dir>/heartbeats/rank<r>.json``
-  every ``period_s`` seconds (a tenth of the timeout, 0.5-10 s), and a quarter period after a
-  step completes: its launch, host, pid, last completed optimizer step, phase and a counter. A rank whose counter stops moving is not running (killed, stopped, or its node lost);
-  files, not a collective, so that they name a stopped rank 0 too and work while every
-  collective is stuck. A reader compares two reads of the counter ``STALE_PERIODS`` periods
-  apart: no clock is compared across nodes. A rank on the reader's own host is checked at once
-  through ``/proc`` (its pid is gone or a zombie). To keep a hang from turning into a storm of
-  reads on a shared filesystem, a rank reads the files of the ranks below it until it finds one
-  alive (usually rank 0, one file): only the lowest live rank reads them all and prints.
-- **The watchdog.** When no progress (``beat``: the trainer calls it at every completed
-  optimizer step, evaluation and checkpoint phase; the checkpoint writer at every file) comes
-  within the allowed time, every live rank writes its Python stacks (``faulthandler``, every
-  thread) to ``<run dir>/hang/stacks_rank<r>.txt`` and its Flight Recorder buffer (the
-  collectives it issued and their states, when ``TORCH_NCCL_TRACE_BUFFER_SIZE`` or
-  ``TORCH_FR_BUFFER_SIZE`` is set, as the launch scripts do) to
-  ``<run dir>/hang/fr_trace_rank_<r>`` (read them with ``torchfrtrace <run dir>/hang --prefix
-  fr_trace_rank_``), then the lowest live rank prints one line naming the ranks that stopped,
-  kills those on its own host (a stopped process never finishes its step, and the launcher
-  would otherwise wait out its grace period), and every live rank exits with ``EXIT_CODE``.
+- **Heartbeats** (``heartbeats.py``): every rank's file, its launch, host, pid, last completed
+  optimizer step, phase and a counter, rewritten every ``period_s`` (a tenth of the timeout,
+  0.5-10 s) by a writer thread of its own. A rank whose counter stops moving is not running
+  (killed, stopped, or its node lost); files, not a collective, so that they name a stopped rank
+  0 too and work while every collective is stuck.
+- **The watchdog** decides without touching the filesystem: its thread compares the time since
+  the last progress (``beat``: the trainer calls it at every completed optimizer step, every
+  evaluation batch, every checkpoint file written and every chunk hashed) with the allowed
+  time, and also fires when one heartbeat write has been blocked longer than that (a hung
+  filesystem: an NFS hard mount, a Lustre recovery). Firing: the survey of the heartbeats (reads,
+  bounded by ``REPORT_S``), then the one line from the lowest live rank naming the ranks that
+  stopped (it kills those on its own host: a stopped process never finishes its step, and the
+  launcher would otherwise wait out its grace period), then every live rank's Python stacks
+  (``faulthandler``, every thread) to ``<run dir>/hang/stacks_rank<r>.txt`` and its Flight
+  Recorder buffer (the collectives it issued and their states, when
+  ``TORCH_NCCL_TRACE_BUFFER_SIZE`` or ``TORCH_FR_BUFFER_SIZE`` is set, as the launch scripts do)
+  to ``<run dir>/hang/fr_trace_rank_<r>`` (read them with ``torchfrtrace <run dir>/hang --prefix
+  fr_trace_rank_``), bounded by ``REPORT_S`` too, and the exit with ``EXIT_CODE`` whatever the
+  filesystem does. A survey the filesystem does not answer in time leaves rank 0 to speak.
 - **The allowed time.** ``train.hang_timeout_s`` when set; else ``AUTO_FACTOR`` x the slowest
   of the last ``AUTO_WINDOW`` step intervals, at least ``AUTO_FLOOR_S``. Until the first
   optimizer step completes (process groups, data, model, checkpoint load, the first step's
-  compilation) the start-up allowance holds: ``startup_allowance``, which also bounds the ranks'
-  wait for rank 0's start-up work (``training/run/distributed.py`` ``DistContext.rank0_first``).
+  compilation), and once the run's last step is done (``finishing``: the final save's wait, the
+  metrics and W&B closing), the start-up allowance holds: ``startup_allowance``, which also
+  bounds the ranks' wait for rank 0's start-up work (``training/run/distributed.py``
+  ``DistContext.rank0_first``).
 - **A lost peer.** ``peer_lost`` recognises the backends' errors for a peer that went away
   (``is_peer_lost``) and prints the same kind of line from the lowest surviving rank.
 
-The module needs no collective and no GPU: a thread, files and ``os._exit``. Hand-written:
+The module needs no collective and no GPU: threads, files and ``os._exit``. Hand-written:
 PyTorch's NCCL watchdog and heartbeat monitor abort a stuck communicator and dump the Flight
 Recorder (the launch scripts turn them on), but name no rank, cover no host-side hang (a
 filesystem, a data loader) and do nothing on gloo; torchrun's agent notices a dead worker but
@@ -45,7 +47,6 @@ not a stopped one.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import socket
 import sys
@@ -53,7 +54,11 @@ import threading
 import time
 from pathlib import Path
 
-from training.files import atomic_write, record_exit_code
+from training.files import record_exit_code
+from training.resilience.heartbeats import HEARTBEATS, HeartbeatWriter, kill_local, read, survey
+
+__all__ = ["EXIT_CODE", "HANG", "HEARTBEATS", "Watchdog", "hang_message", "is_peer_lost", "read",
+           "startup_allowance", "survey"]
 
 EXIT_CODE = 76          # a rank was lost or stopped making progress: rerun the command to resume
 AUTO_FACTOR = 10.0      # the automatic timeout: this many times the slowest recent step ...
@@ -61,7 +66,8 @@ AUTO_FLOOR_S = 300.0    # ... and at least this (an evaluation or a save between
 AUTO_WINDOW = 20        # step intervals the automatic timeout looks back over
 STARTUP_S = 7200.0      # before the first step: data preparation on rank 0, model build, compile
 STALE_PERIODS = 2.5     # a counter unchanged over this many heartbeat periods: not running
-HEARTBEATS, HANG = "heartbeats", "hang"
+REPORT_S = 20.0         # at most this for the survey, and again for the stacks, when firing
+HANG = "hang"
 
 # The backends' messages for a peer that went away (gloo's, NCCL's, the TCP store's).
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
@@ -79,6 +85,22 @@ def is_peer_lost(err: BaseException) -> bool:
     import torch.distributed as dist
     text = str(err).lower()
     return isinstance(err, getattr(dist, "DistNetworkError", ())) or any(p in text for p in _PEER_LOST)
+
+
+def _bounded(fn, timeout_s: float):
+    """``fn()`` in a thread of its own, waited for at most ``timeout_s``: its result, or None when
+    it did not return in time (a filesystem that blocks) or raised ``OSError``."""
+    box = []
+
+    def run():
+        try:
+            box.append(fn())
+        except OSError:
+            pass
+    thread = threading.Thread(target=run, name="watchdog-report", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return box[0] if box else None
 
 
 class Watchdog:
@@ -100,9 +122,12 @@ class Watchdog:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.launch = None                  # set by ``attach``: heartbeats on
         self.step, self.counter, self.state = None, 0, "running"
+        self.report_s = REPORT_S
         self._last = time.monotonic()
         self._step_times: list[float] = []
         self._step_at: float | None = None
+        self._finishing = False
+        self._writer: HeartbeatWriter | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
@@ -117,10 +142,11 @@ class Watchdog:
         (self.run_dir / HEARTBEATS).mkdir(parents=True, exist_ok=True)
         if nccl:
             (self.run_dir / HANG).mkdir(exist_ok=True)
-        self._write()
+        self._writer = HeartbeatWriter(self.run_dir / HEARTBEATS / f"rank{self.rank}.json", self.period_s)
+        self._put()
 
     def beat(self, step: int | None = None) -> None:
-        """Progress: an optimizer step completed (``step``), or a phase or file of one."""
+        """Progress: an optimizer step completed (``step``), or a phase, batch, file or chunk."""
         now = time.monotonic()
         with self._lock:
             self._last = now
@@ -129,9 +155,14 @@ class Watchdog:
                     self._step_times = (self._step_times + [now - self._step_at])[-AUTO_WINDOW:]
                 self.step, self._step_at = step, now
 
+    def finishing(self) -> None:
+        """The run's steps are done: what remains (the final save's wait, closing the metrics and
+        W&B) is allowed the start-up allowance."""
+        self._finishing = True
+
     def allowed_s(self) -> float:
         """The seconds of no progress allowed now."""
-        if self.step is None:
+        if self.step is None or self._finishing:
             return startup_allowance(self.fixed or 0.0)
         if self.fixed:
             return self.fixed
@@ -142,72 +173,84 @@ class Watchdog:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.period_s)
-        if state is not None:
-            self.state = state
-            self._write()
+        if self._writer is not None:
+            if state is not None:
+                self.state = state
+                self._put(now=True)
+                self._writer.flush(timeout_s=2 * self.period_s)
+            self._writer.close()
 
     # -- the thread
 
     def _run(self) -> None:
-        # A heartbeat every period, and one sooner (a quarter period after the last) when a new
-        # step completed, so that a stopped rank's file names a recent step.
-        written, written_step = time.monotonic(), None
+        # A heartbeat every period, and one as soon as the writer allows when a new step
+        # completed, so that a stopped rank's file names a recent step. Nothing here waits for
+        # the filesystem: the writer thread writes.
+        put, put_step = time.monotonic(), None
         while not self._stop.wait(self.period_s / 4):
             now = time.monotonic()
-            if now - written >= self.period_s or (self.step != written_step
-                                                   and now - written >= self.period_s / 4):
-                written, written_step = now, self.step
-                self._write()
-            if now - self._last > self.allowed_s() and not self._stop.is_set():
-                self._fire()
+            if now - put >= self.period_s or self.step != put_step:
+                self._put(now=put_step is None and self.step is not None)   # the first step: at once
+                put, put_step = now, self.step
+            allowed = self.allowed_s()
+            blocked = self._writer.blocked_s() if self._writer is not None else 0.0
+            if (now - self._last > allowed or blocked > allowed) and not self._stop.is_set():
+                self._fire(blocked, stalled=now - self._last > allowed)
 
-    def _write(self) -> None:
-        if self.launch is None:
+    def _put(self, now: bool = False) -> None:
+        if self._writer is None:
             return
         self.counter += 1
-        phase = getattr(self.where, "phase", None)
-        record = {"rank": self.rank, "launch": self.launch, "host": self.host, "pid": self.pid,
-                  "step": self.step, "phase": phase, "state": self.state, "counter": self.counter}
-        try:
-            atomic_write(self.run_dir / HEARTBEATS / f"rank{self.rank}.json", json.dumps(record),
-                         durable=False)      # rewritten every few seconds; worthless after a crash
-        except OSError:
-            pass                    # a full or blocked filesystem: the watchdog still fires
+        self._writer.put(now=now, record={"rank": self.rank, "launch": self.launch, "host": self.host,
+                          "pid": self.pid, "step": self.step, "phase": getattr(self.where, "phase", None),
+                          "state": self.state, "counter": self.counter})
 
-    def _fire(self) -> None:
-        """No progress within the allowed time: stacks, Flight Recorder, one line, exit."""
+    def _fire(self, blocked_s: float, stalled: bool) -> None:
+        """No progress within the allowed time (``stalled``), or a heartbeat write blocked
+        longer (``blocked_s``): the survey, one line, the stacks, exit; each part that may wait
+        for the filesystem bounded (see the module docstring)."""
         waited = time.monotonic() - self._last
         self.state = "hung"
-        self._write()
-        folder = self.run_dir / HANG
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(folder / f"stacks_rank{self.rank}.txt", "w") as f:
-                f.write(f"rank {self.rank} (pid {self.pid} on {self.host}): no progress for "
-                        f"{waited:.0f} s, last completed step {self.step}, phase "
-                        f"{getattr(self.where, 'phase', None)}\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
-            _dump_flight_recorder(folder / f"fr_trace_rank_{self.rank}")
-        except OSError:
-            pass
-        printer, stopped = self._survey()
+        phase, folder = getattr(self.where, "phase", None), self.run_dir / HANG
+        found = _bounded(self._survey, self.report_s)
+        printer, stopped = found if found is not None else (self.rank == 0, [])
+        killed = kill_local(stopped, self.host) if printer else []
+        line = hang_message(self.step, waited, self.fixed, stopped, killed, folder, phase)
+        if not stalled:
+            line = (f"a write to the run directory has not returned for {blocked_s:.0f} s (its "
+                    f"filesystem blocks): " + line)
+        elif blocked_s or found is None:
+            line += (f"; the run directory's filesystem blocks (a heartbeat write has not returned "
+                     f"for {blocked_s:.0f} s, or its files could not be read)")
         if printer:
-            killed = _kill_local(stopped, self.host)
-            line = hang_message(self.step, waited, self.fixed, stopped, killed, folder,
-                                getattr(self.where, "phase", None))
-            print(f"error: {line}", file=sys.stderr, flush=True)
+            _bounded(lambda: print(f"error: {line}", file=sys.stderr, flush=True), self.report_s)
+        _bounded(lambda: self._write_report(folder, waited, phase), self.report_s)
+        os._exit(EXIT_CODE)
+
+    def _write_report(self, folder: Path, waited: float, phase) -> None:
+        """This rank's part of a hang report: its heartbeat marked hung, its stacks, its Flight
+        Recorder buffer, its exit code for the launch scripts (``files.record_exit_code``)."""
+        self._put(now=True)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"stacks_rank{self.rank}.txt", "w") as f:
+            f.write(f"rank {self.rank} (pid {self.pid} on {self.host}): no progress for "
+                    f"{waited:.0f} s, last completed step {self.step}, phase {phase}\n")
+            f.flush()
+            faulthandler.dump_traceback(f, all_threads=True)
+        _dump_flight_recorder(folder / f"fr_trace_rank_{self.rank}")
         sys.stderr.flush()
         record_exit_code(EXIT_CODE)
-        os._exit(EXIT_CODE)
+        if self._writer is not None and not self._writer.blocked_s():
+            self._writer.flush(self.period_s)       # the heartbeat that says "hung", unless blocked
 
     def peer_lost(self, err: BaseException) -> int:
         """A collective failed because a peer went away: from the lowest surviving rank, one
         line naming the lost ranks; returns ``EXIT_CODE``."""
         self._stop.set()
         self.state = "peer lost"
-        self._write()
-        printer, lost = self._survey()
+        self._put(now=True)
+        found = _bounded(self._survey, self.report_s)
+        printer, lost = found if found is not None else (self.rank == 0, [])
         if printer:
             step = getattr(self.where, "step", None)
             during = f"during step {step}" if step is not None else "during start-up"
@@ -224,82 +267,6 @@ class Watchdog:
             return self.rank == 0, []
         return survey(self.run_dir, self.rank, self.world, self.launch,
                       STALE_PERIODS * self.period_s)
-
-
-# -- reading the heartbeats
-
-def _read(run_dir: Path, rank: int) -> dict | None:
-    try:
-        return json.loads((run_dir / HEARTBEATS / f"rank{rank}.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _gone_locally(record: dict, host: str) -> bool | None:
-    """For a rank on this host: whether its process has ended (None: another host)."""
-    if record.get("host") != host:
-        return None
-    try:
-        stat = Path(f"/proc/{record['pid']}/stat").read_text()
-    except OSError:
-        return True
-    fields = stat.rsplit(")", 1)[-1].split()
-    return bool(fields) and fields[0] in ("Z", "X", "T", "t")     # zombie, dead, stopped
-
-
-def survey(run_dir: Path, rank: int, world: int, launch, observe_s: float) -> tuple[bool, list[dict]]:
-    """Which ranks are not running, as far as this rank needs to know.
-
-    Returns ``(printer, stopped)``: ``printer`` is True when no lower rank is alive (this rank
-    speaks for the job), and then ``stopped`` lists the records of every rank that is not
-    running (its last heartbeat; ``{"rank": r}`` when it wrote none in this launch). A rank
-    is not running when its heartbeat is of another launch or missing, its process on this host
-    has ended or stopped, or, on another host, its counter does not move in ``observe_s``.
-    """
-    host = socket.gethostname()
-    first: dict[int, dict | None] = {}
-    undecided: list[int] = []
-
-    def alive_now(r: int) -> bool | None:
-        rec = first[r] = _read(run_dir, r)
-        if rec is None or rec.get("launch") != launch:
-            first[r] = None                    # named without another launch's pid
-            return False
-        if rec.get("state") in ("hung", "peer lost", "finished"):
-            return True                        # it was running when it wrote that
-        gone = _gone_locally(rec, host)
-        return None if gone is None else not gone
-
-    def settle(ranks: list[int]) -> dict[int, bool]:
-        verdict = {r: alive_now(r) for r in ranks}
-        later = [r for r, v in verdict.items() if v is None]
-        if later:
-            time.sleep(observe_s)
-            for r in later:
-                rec = _read(run_dir, r)
-                verdict[r] = rec is not None and rec.get("counter") != first[r].get("counter")
-        return verdict
-
-    for r in range(rank):                       # a lower rank alive speaks for the job
-        if settle([r])[r]:
-            return False, []
-    undecided = [r for r in range(world) if r != rank]
-    verdict = settle(undecided)
-    return True, [first.get(r) or {"rank": r} for r in undecided if not verdict[r]]
-
-
-def _kill_local(stopped: list[dict], host: str) -> list[int]:
-    """SIGKILL the stopped ranks on this host (a stopped process keeps its launcher waiting)."""
-    import signal
-    killed = []
-    for rec in stopped:
-        if rec.get("host") == host and rec.get("pid") and rec.get("pid") != os.getpid():
-            try:
-                os.kill(rec["pid"], signal.SIGKILL)
-                killed.append(rec["rank"])
-            except OSError:
-                pass
-    return killed
 
 
 def _ranks(records: list[dict]) -> str:

@@ -10,6 +10,7 @@ and ``rank0_first`` for single-rank start-up work that the other ranks wait on t
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import random
@@ -25,11 +26,18 @@ import torch
 from model.parallel import comm
 from model.parallel.groups import ParallelGroups, build_groups
 from training.config.schema import Recipe
-from training.files import CACHE_DIR, record_exit_code, wait_for_file
+from training.files import CACHE_DIR, atomic_write, record_exit_code, wait_for_file
 from training.hardware import detect_gpu, train_flops_per_token
 from training.resilience.watchdog import startup_allowance
 
 # Process groups.
+
+@dataclass
+class Handoff:
+    """What rank 0's start-up work hands the other ranks (``DistContext.rank0_first``)."""
+
+    value: object = None
+
 
 @dataclass
 class DistContext:
@@ -46,17 +54,21 @@ class DistContext:
 
     @contextmanager
     def rank0_first(self, name: str):
-        """``with ctx.rank0_first(name): work`` runs the work on rank 0 first: the other ranks
-        poll for a marker file (no collective waits on single-rank work, see ``wait_for_file``)
-        that rank 0 writes once its work is done, then run it too. The work must leave a cache
-        that makes the later runs fast."""
+        """``with ctx.rank0_first(name) as handoff: work`` runs the work on rank 0 first: the
+        other ranks poll for a marker file (no collective waits on single-rank work, see
+        ``wait_for_file``) that rank 0 writes once its work is done, then run theirs. What rank 0
+        puts in ``handoff.value`` (JSON: a path, a mapping) reaches the others in the marker, so
+        that they need not redo the work's planning (a stat and a read per input at 1,024
+        ranks); without it the work must leave a cache that makes the later runs fast."""
         marker = CACHE_DIR / "startup" / f"{self.launch_id}-{name}"
+        handoff = Handoff()
         if self.rank != 0:
             wait_for_file(marker, f"rank 0 to finish: {name}", self.timeout_s)
-        yield
+            handoff.value = json.loads(marker.read_text() or "null")
+        yield handoff
         if self.rank == 0:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            atomic_write(marker, json.dumps(handoff.value), durable=False)   # whole, or not there
 
     def end_startup(self) -> None:
         """All ranks are past the single-rank work: drop this launch's markers (one barrier)."""

@@ -188,7 +188,7 @@ class Run:
             stop, preempted = row.get("stopped"), stepper.stop_requested
             if not (stop or preempted) and recipe.eval.every and (step % recipe.eval.every == 0
                                                                   or step == tcfg.steps):
-                eval_loss = stepper.evaluate(self.val_batches)
+                eval_loss = stepper.evaluate(self.val_batches, progress=dog.beat)
                 dog.beat()
                 self.tracker.log({"step": step, "eval_loss": eval_loss})
                 if rank0:
@@ -210,6 +210,7 @@ class Run:
             if stop or preempted:
                 code = code or (preemption.EXIT_CODE if preempted else 0)
                 break
+        dog.finishing()         # the final save's wait, the metrics' and W&B's closing
         saver.close()
         self.tracker.close()
         self.signals.close()

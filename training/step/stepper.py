@@ -217,20 +217,25 @@ class Stepper:
         """The step's one host copy: the summed statistics, and in the same all-reduce over the
         job the ranks that got a preemption signal (all stop after the same step;
         ``training/resilience/preemption.py``), those whose checkpoint writer is still busy (all publish
-        the save together; ``training/checkpoint/saving.py``) and, every ``train.log_every`` steps, every
-        rank's mean busy seconds (``busy_row``). Sets ``stop_requested``, ``saves_written``;
-        returns the statistics and the straggler metrics (empty off log steps)."""
+        the save together; ``training/checkpoint/saving.py``), those whose writer failed (rank 0's
+        writer stops waiting for their shares: ``Saver.peer_failed``) and, every
+        ``train.log_every`` steps, every rank's mean busy seconds (``busy_row``). Sets
+        ``stop_requested``, ``saves_written``; returns the statistics and the straggler metrics
+        (empty off log steps)."""
         signalled = self.preemption is not None and self.preemption.received is not None
         writing = self.saver is not None and self.saver.writing
+        failed = self.saver is not None and self.saver.failed
         busy = self.busy.take_mean() if step % self.recipe.train.log_every == 0 else None
-        flags = [float(signalled), float(writing)]
+        flags = [float(signalled), float(writing), float(failed)]
         if busy is not None:
             flags += busy_row(busy, self.ctx.rank, self.ctx.world_size)
         job = comm.job_sum(torch.tensor(flags, dtype=stats.dtype, device=stats.device))
         host = torch.cat((stats, job)).tolist()
         self.busy.synced()              # after the copy: a GPU's timing events have completed
-        summed, (signalled_ranks, writing_ranks, *busy_s) = host[:stats.numel()], host[stats.numel():]
+        summed, (signalled_ranks, writing_ranks, failed_ranks, *busy_s) = host[:stats.numel()], host[stats.numel():]
         self.stop_requested, self.saves_written = signalled_ranks > 0, writing_ranks == 0
+        if failed_ranks and self.saver is not None:
+            self.saver.peer_failed()
         return self.stats.read(summed), straggler_metrics(busy_s) if busy_s else {}
 
     def _skip_reason(self, step_loss: float, nonfinite: bool) -> tuple[str | None, bool]:
@@ -355,8 +360,9 @@ class Stepper:
         return row, extra
 
     @torch.no_grad()
-    def evaluate(self, batches) -> float:
-        """Mean next-token loss over the validation batches (summed over data-parallel ranks)."""
+    def evaluate(self, batches, progress=None) -> float:
+        """Mean next-token loss over the validation batches (summed over data-parallel ranks);
+        ``progress()`` after each batch (the watchdog: a long evaluation is progress)."""
         self.where.phase, self.where.micro_batch = "evaluation", None
         if self.pipeline:
             self.model.reset_stats()
@@ -370,6 +376,8 @@ class Stepper:
         for input_ids, labels in batches:
             out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
             sums += torch.stack([out.ce_sum.double(), out.num_target_tokens.double()])
+            if progress is not None:
+                progress()
         self.engine.train()
         total, tokens = comm.all_reduce_sum(sums, self.ctx.batch_group).tolist()
         return total / max(tokens, 1)
