@@ -10,7 +10,10 @@
 # (anywhere; default 0) reruns the command, which resumes from the newest verified checkpoint,
 # up to N times after a lost or stopped rank (exit code 76), a preemption the scheduler does not
 # requeue (75) or a launcher that died with a killed rank; never after bad input (2), out of
-# memory (3) or a checkpoint that could not be written (74) (_run_restarting). Paths are relative to the
+# memory (3) or a checkpoint that could not be written (74) (_run_restarting). A preemption
+# (SIGTERM, SIGUSR1 or SIGINT to the script; SLURM's warning) reaches the ranks as SIGUSR1, never
+# as a SIGTERM to a launcher that kills its ranks 30 s later, and the ranks get PREEMPT_GRACE_S
+# to finish their step and save it (docs/reliability.md, "Preemption"). Paths are relative to the
 # directory you run from, as for every other command in this repo; multi-node runs need the repo
 # and the paths at the same place on every node (a shared filesystem).
 
@@ -60,6 +63,15 @@ _setenv CUDA_DEVICE_MAX_CONNECTIONS ""
 # CPU threads per rank, cores / ranks per node so ranks don't oversubscribe: lower it if data-loader workers need cores.
 _CORES=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
 _setenv OMP_NUM_THREADS "$(( _CORES / NPROC_PER_NODE > 0 ? _CORES / NPROC_PER_NODE : 1 ))"
+# Seconds from a preemption signal to the kill that follows it: the ranks' time to finish their
+# step and save it. SLURM does not tell the job its --signal lead time, so this carries it: by
+# default the lead time the batch script's own "#SBATCH --signal=...@SECONDS" line asks for, else
+# 600. torchrun waits this long for its ranks after a signal (--shutdown-timeout); set it to the
+# lead time when you submit with another --signal.
+_SBATCH_LEAD=$(sed -n 's/^#SBATCH --signal=[^@]*@\([0-9][0-9]*\).*/\1/p' "$0" 2>/dev/null | head -n 1)
+_setenv PREEMPT_GRACE_S "${_SBATCH_LEAD:-600}"
+[[ $PREEMPT_GRACE_S =~ ^[1-9][0-9]*$ ]] ||
+    die "PREEMPT_GRACE_S must be a whole number of seconds > 0, got '$PREEMPT_GRACE_S'"
 
 # _parse NPOS "NAME ..." ARGS...: sets DRY_RUN, POS (the NPOS positional arguments, checked to
 # be files) and TRAIN_ARGS (the rest).
@@ -161,16 +173,113 @@ _run_restarting() {
     done
 }
 
+# ---- Preemption: the signal reaches the ranks, and the ranks get the grace period.
+#
+# The ranks (training/resilience/preemption.py) take SIGUSR1 (or SIGTERM) as "finish this step,
+# save it, exit 75". The launchers must not cut that save short: DeepSpeed's per-node launcher
+# kills its ranks 30 s after it gets a SIGTERM (hard-coded) and its pdsh runner pkills every node,
+# and torchrun waits --shutdown-timeout. So the scripts never pass a preemption to a DeepSpeed
+# launcher: they send SIGUSR1 to the ranks themselves, on every node, and wait for the launcher
+# to end on its own; torchrun gets --shutdown-timeout PREEMPT_GRACE_S and forwards SIGUSR1 too.
+
+# This launch's ranks on a node: a command line as torchrun and DeepSpeed's launcher start a rank
+# ("python -u .../launch/train.py ...", where the launchers' own name train.py later), and in
+# the environment it started with, this launch's TRAIN_EXIT_CODE_FILE (the launchers have it
+# too, the ranks of another run on the node do not).
+_RANK_PATTERN='^[^ ]*python[^ ]* -u [^ ]*launch/train\.py( |$)'
+# torchrun's part: it forwards SIGUSR1 as it does SIGTERM, and waits the grace before SIGKILL.
+_TORCHRUN_GRACE=(--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "$PREEMPT_GRACE_S")
+
+# _signal_command: the POSIX shell command that sends SIGUSR1 to this launch's ranks on one node.
+_signal_command() {
+    local pattern marker
+    pattern=$(_quote "$_RANK_PATTERN") marker=$(_quote "TRAIN_EXIT_CODE_FILE=$TRAIN_EXIT_CODE_FILE")
+    echo "for p in \$(pgrep -U $(id -u) -f $pattern); do tr '\\0' '\\n' </proc/\$p/environ 2>/dev/null | grep -qxF $marker && kill -USR1 \$p; done; true"
+}
+
+# _signal_ranks WHERE: SIGUSR1 to this launch's ranks: "local" (this host), "hosts H1,H2" (pdsh
+# over ssh, as DeepSpeed's runner) or "slurm" (a step beside the job's, on every node; scancel's
+# signal to the job's steps if that step cannot start). Bounded: it never holds the script.
+_signal_ranks() {
+    local cmd
+    cmd=$(_signal_command)
+    case $1 in
+        local) sh -c "$cmd" ;;
+        hosts) PDSH_RCMD_TYPE=${PDSH_RCMD_TYPE:-ssh} timeout 120 pdsh -S -w "$2" "$cmd" || true ;;
+        slurm) timeout 120 srun --overlap --jobid "$SLURM_JOB_ID" --nodes "$NUM_NODES" --ntasks-per-node 1 \
+                   sh -c "$cmd" || scancel --signal=USR1 "$SLURM_JOB_ID" || true ;;
+    esac
+}
+
+# _saved_line CODE_FILE: what the ranks' exit codes say was saved on preemption (rank 0 appends
+# "75 0 saved=<checkpoint>" once that checkpoint verified).
+_saved_line() {
+    local saved
+    saved=$(sed -n 's/^75 [0-9]* saved=//p' "$1" 2>/dev/null | tail -n 1)
+    if [[ -n $saved ]]; then echo "it resumes from $saved"
+    else echo "no checkpoint verified after the signal: it resumes from the newest earlier one, and the steps since are trained again"; fi
+}
+
+# _run_forwarding WHERE ARGS...: as _run, for a DeepSpeed launcher: the script stays up while ARGS
+# runs, and a SIGTERM, SIGINT, SIGHUP or SIGUSR1 to it becomes SIGUSR1 to the ranks (_signal_ranks
+# WHERE); the launcher is never signalled and ends when its ranks do. A preempted run is not
+# restarted (--max-restarts): whoever signalled wants it stopped.
+_run_forwarding() {
+    (( DRY_RUN )) && _run "${@:3}"
+    _FORWARD=("$1" "$2")
+    shift 2
+    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
+    (( MAX_RESTARTS > 0 )) && _run_restarting _forwarding_once "$@"
+    local rc=0
+    _forwarding_once "$@" || rc=$?
+    rm -f "$TRAIN_EXIT_CODE_FILE"
+    exit "$rc"
+}
+
+_forwarding_once() {
+    echo "+ $(_quote "$@")" >&2
+    rm -f "$TRAIN_EXIT_CODE_FILE"
+    "$@" &
+    _CHILD=$! _PREEMPTED=0
+    local sig
+    for sig in TERM INT HUP USR1; do
+        # shellcheck disable=SC2064
+        trap "_preempt_forwarded $sig" "$sig"
+    done
+    local rc
+    while :; do
+        rc=0; wait "$_CHILD" || rc=$?
+        kill -0 "$_CHILD" 2>/dev/null || break      # still running: a trap cut the wait short
+    done
+    trap - TERM INT HUP USR1
+    if (( _PREEMPTED )); then
+        echo "$(basename "$0"): stopped on request (exit code $rc); $(_saved_line "$TRAIN_EXIT_CODE_FILE"); run the same command to resume" >&2
+        rm -f "$TRAIN_EXIT_CODE_FILE"
+        exit "$rc"
+    fi
+    return "$rc"
+}
+
+_preempt_forwarded() {
+    (( _PREEMPTED )) && return
+    _PREEMPTED=1
+    echo "$(basename "$0"): SIG$1: SIGUSR1 to the ranks, which finish their step, save it and exit (the launcher is left to end with them)" >&2
+    if [[ ${_FORWARD[0]} == hosts ]]; then _signal_ranks hosts "${_FORWARD[1]}"; else _signal_ranks local; fi
+}
+
 # _run_preemptible ARGS...: as _run, for a SLURM batch script submitted with
 # `--signal=B:USR1@SECONDS` and `--requeue`: the batch shell stays up while ARGS (srun) runs, so
-# that when SLURM's warning arrives it can pass SIGTERM on to the ranks (srun forwards signals to
-# its tasks, torchrun to its workers). The ranks finish their step, save it and exit 75
-# (training/resilience/preemption.py); the job then requeues itself and the same command resumes.
+# that when SLURM's warning arrives it can send SIGUSR1 to the ranks (_signal_ranks slurm; srun
+# and torchrun get no signal). The ranks finish their step, save it and exit 75
+# (training/resilience/preemption.py); the job then requeues itself and the same command resumes
+# from the checkpoint the ranks report.
 _run_preemptible() {
     (( DRY_RUN )) && _run "$@"
+    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$SLURM_JOB_ID}
     (( MAX_RESTARTS > 0 )) && _run_restarting _preemptible_once "$@"
     local rc=0
     _preemptible_once "$@" || rc=$?
+    rm -f "$TRAIN_EXIT_CODE_FILE"
     exit "$rc"
 }
 
@@ -178,9 +287,10 @@ _run_preemptible() {
 # SLURM's warning came, else returns ARGS' exit code.
 _preemptible_once() {
     echo "+ $(_quote "$@")" >&2
+    rm -f "$TRAIN_EXIT_CODE_FILE"
     "$@" &
     _CHILD=$! _PREEMPTED=0
-    trap '_PREEMPTED=1; echo "$(basename "$0"): SLURM time limit near: SIGTERM to the ranks, which save their step and exit" >&2; kill -TERM "$_CHILD"' USR1
+    trap '(( _PREEMPTED )) || { _PREEMPTED=1; echo "$(basename "$0"): SLURM time limit near: SIGUSR1 to the ranks, which save their step and exit (grace $PREEMPT_GRACE_S s)" >&2; _signal_ranks slurm; }' USR1
     local rc
     while :; do
         rc=0; wait "$_CHILD" || rc=$?
@@ -188,9 +298,12 @@ _preemptible_once() {
     done
     trap - USR1
     if (( _PREEMPTED )); then
+        local saved
+        saved=$(_saved_line "$TRAIN_EXIT_CODE_FILE")
+        rm -f "$TRAIN_EXIT_CODE_FILE"
         scontrol requeue "$SLURM_JOB_ID" ||
-            die "scontrol requeue $SLURM_JOB_ID failed: submit the same sbatch line again to resume"
-        echo "$(basename "$0"): requeued job $SLURM_JOB_ID; it resumes from the step the ranks saved" >&2
+            die "scontrol requeue $SLURM_JOB_ID failed: submit the same sbatch line again to resume ($saved)"
+        echo "$(basename "$0"): requeued job $SLURM_JOB_ID; $saved" >&2
         exit 0
     fi
     return "$rc"
@@ -209,13 +322,13 @@ launch_torchrun_cpu() {
     # time: docs/PERFORMANCE.md, "The CPU allocator").
     _setenv MALLOC_MMAP_THRESHOLD_ 4294967296
     _setenv MALLOC_TRIM_THRESHOLD_ 68719476736
-    _run torchrun --standalone --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${TRAIN[@]}"
+    _run torchrun --standalone --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${_TORCHRUN_GRACE[@]}" "${TRAIN[@]}"
 }
 
 # One node: DeepSpeed starts NPROC_PER_NODE ranks on GPUs 0..N-1.
 launch_deepspeed() {
     _parse 2 "RECIPE CONFIG" "$@"; RECIPE=${POS[0]} CONFIG=${POS[1]}; _train
-    _run deepspeed --num_gpus "$NPROC_PER_NODE" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
+    _run_forwarding local "" deepspeed --num_gpus "$NPROC_PER_NODE" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }
 
 # Several nodes from a DeepSpeed hostfile ("HOST slots=8" per line): DeepSpeed ssh-es (pdsh) into
@@ -232,14 +345,17 @@ launch_deepspeed_hostfile() {
     hosts=$(awk '!/^[[:space:]]*(#|$)/ {n++} END {print n + 0}' "$HOSTFILE")
     (( hosts >= NUM_NODES )) ||
         die "$HOSTFILE lists $hosts hosts, this script needs $NUM_NODES ('HOST slots=$NPROC_PER_NODE' per line)"
-    # The restart loop reads the ranks' exit codes from this file (_run_restarting): the remote
-    # ranks get its name only through .deepspeed_env, so it is set before that file is written.
-    (( MAX_RESTARTS > 0 )) && export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
+    # The restart loop and the preemption message read the ranks' exit codes from this file
+    # (_run_restarting, _saved_line): the remote ranks get its name only through .deepspeed_env,
+    # so it is set before that file is written.
+    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
     local forward
     mapfile -t forward < <(compgen -e | grep -E \
         '^(TORCH_NCCL_[A-Z_]+|TORCH_FR_[A-Z_]+|TORCH_DISTRIBUTED_[A-Z_]+|TORCH_CPP_LOG_LEVEL|TRAIN_EXIT_CODE_FILE|WANDB_(PROJECT|ENTITY|MODE|DIR|BASE_URL))$' || true)
     _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
-    _run deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
+    local names
+    names=$(awk '!/^[[:space:]]*(#|$)/ {print $1}' "$HOSTFILE" | head -n "$NUM_NODES" | paste -sd, -)
+    _run_forwarding hosts "$names" deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
         ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }
 
@@ -270,5 +386,5 @@ launch_srun_torchrun() {
     : "${MASTER_ADDR:=${hosts[0]}}" "${MASTER_PORT:=29500}"
     _run_preemptible srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
         torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" --rdzv_backend c10d \
-        --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" "${TRAIN[@]}"
+        --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" "${_TORCHRUN_GRACE[@]}" "${TRAIN[@]}"
 }

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data_pipeline.indexed import sync_directory, sync_file
 
-__all__ = ["CACHE_DIR", "REPO", "atomic_write", "record_exit_code", "sync_directory", "sync_file",
+__all__ = ["CACHE_DIR", "REPO", "atomic_write", "note_exit", "record_exit_code", "sync_directory", "sync_file",
            "sync_path", "wait_for_file"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,18 +41,21 @@ def sync_path(path: Path) -> None:
 
 
 def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,
-                  log_every_s: float = 60.0) -> None:
+                  log_every_s: float = 60.0, max_poll_s: float = 5.0) -> None:
     """Block until ``path`` exists, printing a line every ``log_every_s`` seconds; after
     ``timeout_s`` one ValueError line naming what was waited for and the likely causes.
 
     Ranks wait this way, not in a collective barrier, while one rank does long single-rank work
     (training the tokenizer, preparing raw text): a barrier would hit the process-group timeout
-    on a large corpus, and a wait on a file costs no collective.
+    on a large corpus, and a wait on a file costs no collective. The check backs off from
+    ``poll_s`` to ``max_poll_s`` (1,023 waiting ranks: about 200 stats a second on the shared
+    filesystem once backed off, not 2,000).
     """
     path = Path(path)
     start = last = time.monotonic()
     while not path.exists():
         time.sleep(poll_s)
+        poll_s = min(2 * poll_s, max_poll_s)
         now = time.monotonic()
         if now - start >= timeout_s:
             raise ValueError(f"waited {now - start:.0f} s for {what} (marker {path}): rank 0 failed "
@@ -67,15 +70,24 @@ def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,
 EXIT_CODE_FILE = "TRAIN_EXIT_CODE_FILE"
 
 
+_EXIT_NOTE: list[str] = []
+
+
+def note_exit(note: str) -> None:
+    """A word for the launch scripts after the exit code (``saved=<checkpoint>``: a preempted
+    run's verified checkpoint, which the requeue message names)."""
+    _EXIT_NOTE[:] = [note]
+
+
 def record_exit_code(code: int) -> None:
-    """Append ``<code> <rank>`` to the file ``$TRAIN_EXIT_CODE_FILE`` names, if set, for a
-    non-zero code: the launch scripts' restart loop reads it, since torchrun and DeepSpeed's
-    launcher report their own exit code, not the trainer's (``launch/common.sh``)."""
+    """Append ``<code> <rank>`` (and the ``note_exit`` note) to the file ``$TRAIN_EXIT_CODE_FILE``
+    names, if set, for a non-zero code: the launch scripts' restart loop reads it, since torchrun
+    and DeepSpeed's launcher report their own exit code, not the trainer's (``launch/common.sh``)."""
     path = os.environ.get(EXIT_CODE_FILE)
     if not path or code == 0:
         return
     try:
         with open(path, "a") as f:       # one short write per rank: appends do not interleave
-            f.write(f"{code} {os.environ.get('RANK', '0')}\n")
+            f.write(" ".join([str(code), os.environ.get("RANK", "0"), *_EXIT_NOTE]) + "\n")
     except OSError:
         pass

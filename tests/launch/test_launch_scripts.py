@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def _check_train_args(script_path: str, argv: list[str]) -> None:
 
 
 # (script, nodes, ranks per node, extra env); a hostfile and SLURM are faked for the scripts that need them.
-CASES = [("cpu_local.sh", 1, 2, {}), ("cpu_local.sh", 1, 4, {"NPROC": "4"}), ("gpu_1.sh", 1, 1, {}),
+CASES = [("cpu_local.sh", 1, 2, {}), ("cpu_local.sh", 1, 4, {"NPROC": "4", "PREEMPT_GRACE_S": "900"}),
+         ("gpu_1.sh", 1, 1, {}),
          ("node_8gpu.sh", 1, 8, {}), ("multinode_hostfile.sh", 2, 8, {}), ("multinode_8x8.sh", 8, 8, {}),
          ("slurm_8x8.sbatch", 8, 8, {})]
 
@@ -117,6 +119,10 @@ def test_dry_run_prints_a_valid_command_with_the_cluster_shape(tmp_path, script,
         torchrun_argv = argv[cut + 1:]
     tr = torchrun_args_parser().parse_args(torchrun_argv)
     assert (tr.nnodes, tr.nproc_per_node) == (str(nodes), str(nproc))
+    # The preemption grace: SIGUSR1 forwarded like SIGTERM, the ranks waited for (the sbatch
+    # script's --signal lead time; PREEMPT_GRACE_S overrides it).
+    assert "SIGUSR1" in tr.signals_to_handle.split(",")
+    assert tr.shutdown_timeout == int(env.get("PREEMPT_GRACE_S", 600))
     if script == "cpu_local.sh":
         assert tr.standalone
     else:  # rendezvous on the job's first node, the same command on every node
@@ -150,6 +156,7 @@ def test_recipe_header_commands_are_what_the_scripts_run(tmp_path):
     ("gpu_1.sh", [RECIPE, CONFIG, "--config", CONFIG], {}, "as positional arguments"),
     ("gpu_1.sh", [RECIPE, "no_such.json"], {}, "no such file: no_such.json"),
     ("cpu_local.sh", [RECIPE, CONFIG], {"NPROC": "two"}, "must be a positive integer"),
+    ("cpu_local.sh", [RECIPE, CONFIG], {"PREEMPT_GRACE_S": "10m"}, "PREEMPT_GRACE_S must be a whole number"),
     ("slurm_8x8.sbatch", [RECIPE, CONFIG], {}, "not inside a SLURM job"),
 ])
 def test_bad_arguments_exit_2_with_a_usage_line(script, args, env, message):
@@ -182,9 +189,10 @@ def test_scripts_are_short_executable_and_documented():
 
 
 def test_real_hostfile_launch_from_another_directory(tmp_path):
-    """Without --dry-run the script execs the launcher (a fake deepspeed here) with the printed
+    """Without --dry-run the script runs the launcher (a fake deepspeed here) with the printed
     arguments, from any directory, and writes the variables pdsh does not forward into
-    ./.deepspeed_env, keeping the lines it does not own."""
+    ./.deepspeed_env, keeping the lines it does not own; the exit-code file it names is removed
+    once the launcher has ended."""
     env = {**_fake_bin(tmp_path, "deepspeed", 'echo "$@"; echo "OMP=$OMP_NUM_THREADS NCCL=$NCCL_DEBUG"\n'),
            "OMP_NUM_THREADS": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_DEBUG": "INFO",
            "TORCH_NCCL_BLOCKING_WAIT": "1", "WANDB_PROJECT": "p", "WANDB_API_KEY": "secret"}
@@ -197,7 +205,11 @@ def test_real_hostfile_launch_from_another_directory(tmp_path):
                                           str(REPO / "launch" / "train.py")]
     assert env_line == "OMP=3 NCCL=INFO"
     # torch distributed and W&B run settings reach the remote ranks; the W&B key never is written.
-    assert (tmp_path / ".deepspeed_env").read_text().splitlines() == [
+    written = (tmp_path / ".deepspeed_env").read_text().splitlines()
+    code_file = next(line for line in written if line.startswith("TRAIN_EXIT_CODE_FILE="))
+    assert code_file.startswith(f"TRAIN_EXIT_CODE_FILE={tmp_path}/.train_exit_codes."), code_file
+    assert not list(tmp_path.glob(".train_exit_codes.*"))
+    assert [line for line in written if line != code_file] == [
         "MY_VAR=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "OMP_NUM_THREADS=3",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING=3", "TORCH_NCCL_BLOCKING_WAIT=1", "TORCH_NCCL_DUMP_ON_TIMEOUT=1",
         "TORCH_NCCL_ENABLE_MONITORING=1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=600",
@@ -229,35 +241,94 @@ def test_a_hostfile_launch_hands_the_ranks_the_exit_code_file_through_deepspeed_
     assert counter.read_text().count("x") == 1 and "not restarted" in proc.stderr, proc.stderr
 
 
-def test_slurm_script_passes_the_time_limit_warning_to_the_ranks_and_requeues(tmp_path):
-    """Not a dry run: a fake ``srun`` stands for the ranks (it exits 75 on SIGTERM, as the trainer
-    does after saving), a fake ``scontrol`` records the requeue. SLURM's warning (USR1 to the
-    batch script, ``--signal=B:USR1@600``) must reach the ranks as SIGTERM, and the script must
-    requeue the job and exit 0."""
-    import signal
+# A stand-in for a rank, started as the launchers start one ("python -u .../launch/train.py"):
+# on SIGUSR1 it reports its exit code as the trainer does (rank 0 with the checkpoint that
+# verified, FAKE_SAVED) and exits 75.
+FAKE_RANK = """import os, signal, sys, time
+def stop(*_):
+    saved = os.environ.get("FAKE_SAVED")
+    with open(os.environ["TRAIN_EXIT_CODE_FILE"], "a") as f:
+        f.write("75 0" + (" saved=" + saved if saved else "") + "\\n")
+    sys.exit(75)
+signal.signal(signal.SIGUSR1, stop)
+open(os.environ["MARKS"] + "/started", "w").close()
+time.sleep(60)
+"""
+
+
+def _fake_rank_launcher(tmp_path: Path, name: str, marks: Path, overlap: bool = False) -> dict:
+    """A fake ``name`` (srun, deepspeed) that starts one fake rank and exits with its code,
+    recording a SIGTERM it gets in ``marks/term``; a fake srun runs an ``--overlap`` step's
+    command (the signaller) here, recording its arguments."""
+    (tmp_path / "launch").mkdir(exist_ok=True)
+    (tmp_path / "launch" / "train.py").write_text(FAKE_RANK)
+    body = (f'case " $* " in *" --overlap "*) echo "$*" > {marks}/overlap\n'
+            f'  while [ "$1" != sh ]; do shift; done; exec "$@" ;; esac\n' if overlap else "")
+    body += (f"trap 'echo TERM > {marks}/term' TERM\n"
+             f"{sys.executable} -u {tmp_path}/launch/train.py --local_rank=0 & rank=$!\n"
+             f"while kill -0 $rank 2>/dev/null; do wait $rank; rc=$?; done\nexit $rc\n")
+    return _fake_bin(tmp_path, name, body)
+
+
+def _start_and_signal(argv: list[str], env: dict, marks: Path, signum) -> subprocess.CompletedProcess:
     import time
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    env = _slurm_env(tmp_path)
-    _fake_bin(tmp_path, "scontrol", f'if [ "$1" = requeue ]; then echo "$2" > {marks}/requeued; exit 0; fi\n'
-                                    f'for h in ' + " ".join(f"gpu{i:02d}" for i in range(1, 9))
-              + '; do echo $h; done\n')
-    _fake_bin(tmp_path, "srun", f"trap 'echo TERM > {marks}/term; exit 75' TERM\n"
-                                f"echo up > {marks}/started\nwhile :; do sleep 0.1; done\n")
     base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    proc = subprocess.Popen(["bash", str(REPO / "launch" / "slurm_8x8.sbatch"), RECIPE, CONFIG],
-                            cwd=REPO, env={**base, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, cwd=marks.parent, env={**base, **env, "MARKS": str(marks)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 20
     while not (marks / "started").exists() and time.time() < deadline:
         time.sleep(0.05)
     assert (marks / "started").exists(), proc.communicate(timeout=5)
-    proc.send_signal(signal.SIGUSR1)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
-    assert (marks / "term").read_text().strip() == "TERM"
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("saved", ["/runs/a/checkpoints/step00000007", None])
+def test_slurm_script_passes_the_time_limit_warning_to_the_ranks_and_requeues(tmp_path, saved):
+    """Not a dry run: a fake ``srun`` starts a fake rank, a fake ``scontrol`` records the requeue.
+    SLURM's warning (USR1 to the batch script, ``--signal=B:USR1@600``) must reach the rank as
+    SIGUSR1 through a step beside the job's (``srun --overlap``) while srun itself gets no
+    signal; the script requeues the job, says which checkpoint the rank reported as verified (or
+    that none was) and exits 0."""
+    import signal
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**_slurm_env(tmp_path), **_fake_rank_launcher(tmp_path, "srun", marks, overlap=True)}
+    _fake_bin(tmp_path, "scontrol", f'if [ "$1" = requeue ]; then echo "$2" > {marks}/requeued; exit 0; fi\n'
+                                    f'for h in ' + " ".join(f"gpu{i:02d}" for i in range(1, 9))
+              + '; do echo $h; done\n')
+    env.update({"FAKE_SAVED": saved} if saved else {})
+    done = _start_and_signal(["bash", str(REPO / "launch" / "slurm_8x8.sbatch"), str(REPO / RECIPE),
+                              str(REPO / CONFIG)], env, marks, signal.SIGUSR1)
+    assert done.returncode == 0, done.stderr
+    assert not (marks / "term").exists(), "srun got a SIGTERM"
+    assert (marks / "overlap").read_text().split()[:7] == ["--overlap", "--jobid", JOB_ID, "--nodes", "8",
+                                                           "--ntasks-per-node", "1"]
     assert (marks / "requeued").read_text().strip() == JOB_ID
-    assert "SLURM time limit near: SIGTERM to the ranks" in err and f"requeued job {JOB_ID}" in err
+    assert "SLURM time limit near: SIGUSR1 to the ranks" in done.stderr, done.stderr
+    said = (f"it resumes from {saved}" if saved else
+            "no checkpoint verified after the signal: it resumes from the newest earlier one")
+    assert f"requeued job {JOB_ID}; {said}" in done.stderr, done.stderr
+    assert not list(tmp_path.glob(".train_exit_codes.*"))
+
+
+def test_a_signal_to_a_deepspeed_launch_reaches_the_ranks_not_the_launcher(tmp_path):
+    """DeepSpeed's launcher kills its ranks 30 s after a SIGTERM: the script keeps it out of the
+    way. A SIGTERM to the script (a scheduler stopping the job) becomes SIGUSR1 to the rank; the
+    fake launcher gets no signal and ends with its rank; the script exits 75 naming the
+    checkpoint and does not restart (--max-restarts), since the stop was asked for."""
+    import signal
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**_fake_rank_launcher(tmp_path, "deepspeed", marks), "FAKE_SAVED": "/ckpt/step00000003"}
+    done = _start_and_signal(["bash", str(REPO / "launch" / "gpu_1.sh"), "--max-restarts", "2",
+                              str(REPO / RECIPE), str(REPO / CONFIG)], env, marks, signal.SIGTERM)
+    assert done.returncode == 75, done.stderr
+    assert not (marks / "term").exists(), "the launcher got a SIGTERM"
+    assert "SIGTERM: SIGUSR1 to the ranks" in done.stderr, done.stderr
+    assert "stopped on request (exit code 75); it resumes from /ckpt/step00000003" in done.stderr
+    assert "restart" not in done.stderr and done.stderr.count("+ deepspeed ") == 1, done.stderr
 
 
 def test_slurm_script_exit_code_is_the_ranks_without_a_warning(tmp_path):

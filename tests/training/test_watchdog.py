@@ -189,3 +189,27 @@ def test_slow_saves_evaluations_and_closing_are_progress_not_a_hang(warm_launche
     assert [r["step"] for r in metrics if "eval_loss" in r] == [2]
     stalls = [r["save_stall_s"] for r in metrics if "save_stall_s" in r]
     assert stalls and stalls[0] > 3, stalls           # the save did outlast the timeout
+
+
+def test_heartbeats_are_written_at_most_once_per_period_whatever_the_step_rate(tmp_path, monkeypatch):
+    """The filesystem load docs/reliability.md states: a rank's heartbeat file is rewritten at
+    most once per period however often the trainer reports (here 2,000 records in about 1 s at
+    a 0.25 s period), plus the writes asked for at once (the first step, the final state)."""
+    from training.resilience import heartbeats
+    writes = []
+    monkeypatch.setattr(heartbeats, "atomic_write", lambda path, text, durable: writes.append(
+        (time.monotonic(), json.loads(text), durable)))
+    writer = heartbeats.HeartbeatWriter(tmp_path / "rank0.json", interval_s=0.25)
+    t0 = time.monotonic()
+    for n in range(2000):
+        writer.put({"counter": n})
+        time.sleep(0.0005)
+    writer.put({"counter": "final"}, now=True)
+    assert writer.flush(timeout_s=5)
+    took = time.monotonic() - t0
+    writer.close()
+    assert writes[-1][1] == {"counter": "final"} and not any(w[2] for w in writes)   # never fsynced
+    periodic = writes[:-1]
+    assert 2 <= len(periodic) <= took / 0.25 + 2, (len(periodic), took)
+    gaps = [b[0] - a[0] for a, b in zip(periodic, periodic[1:])]
+    assert min(gaps) >= 0.24, gaps

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from training import hardware
+from training import files, hardware
 from training.checkpoint import resume
 from training.checkpoint.layout import latest_tag, tag_for_step
 from training.checkpoint.saving import SAVE_FAILED, Saver
@@ -207,6 +207,7 @@ class Run:
             if preempted and tag and rank0:
                 print(f"preempted at step {step}: {self.ckpt_dir / tag} saved; run the same command "
                       f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)
+                files.note_exit(f"saved={self.ckpt_dir / tag}")      # for the requeue message
             if stop or preempted:
                 code = code or (preemption.EXIT_CODE if preempted else 0)
                 break
