@@ -144,7 +144,7 @@ _trainer_code() {
     echo "$1"
 }
 
-# _run_restarting RUNNER ARGS...: RUNNER ARGS (_run_once, or the SLURM one), rerun up to
+# _run_restarting RUNNER ARGS...: RUNNER ARGS (_run_once, or _attempt), rerun up to
 # MAX_RESTARTS times while the trainer's exit code says a rerun can finish the job; each restart
 # is one line with its reason. The same command resumes from the newest verified checkpoint.
 _run_restarting() {
@@ -220,93 +220,69 @@ _saved_line() {
     else echo "no checkpoint verified after the signal: it resumes from the newest earlier one, and the steps since are trained again"; fi
 }
 
-# _run_forwarding WHERE ARGS...: as _run, for a DeepSpeed launcher: the script stays up while ARGS
-# runs, and a SIGTERM, SIGINT, SIGHUP or SIGUSR1 to it becomes SIGUSR1 to the ranks (_signal_ranks
-# WHERE); the launcher is never signalled and ends when its ranks do. A preempted run is not
-# restarted (--max-restarts): whoever signalled wants it stopped.
-_run_forwarding() {
-    (( DRY_RUN )) && _run "${@:3}"
-    _FORWARD=("$1" "$2")
-    shift 2
-    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$$}
-    (( MAX_RESTARTS > 0 )) && _run_restarting _forwarding_once "$@"
+# _run_signalled ARGS...: as _run, for a launcher that must not get the preemption signal; _WHERE
+# says where the ranks are: (local), (hosts H1,H2) or (slurm). The script stays up while ARGS
+# runs, and a preemption to it becomes SIGUSR1 to the ranks (_signal_ranks): with slurm, SLURM's
+# warning (USR1, `#SBATCH --signal=B:USR1@SECONDS`), after which the job requeues itself
+# (`--requeue`); else a SIGTERM, SIGINT, SIGHUP or SIGUSR1, after which the script exits with the
+# ranks' 75 and is not restarted (--max-restarts): whoever signalled wants it stopped. The
+# launcher ends when its ranks do; the last line names the checkpoint that verified.
+_run_signalled() {
+    (( DRY_RUN )) && _run "$@"
+    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.${SLURM_JOB_ID:-$$}}
+    if [[ ${_WHERE[0]} == slurm ]]; then _SIGNALS=(USR1); else _SIGNALS=(TERM INT HUP USR1); fi
+    (( MAX_RESTARTS > 0 )) && _run_restarting _attempt "$@"
     local rc=0
-    _forwarding_once "$@" || rc=$?
+    _attempt "$@" || rc=$?
     rm -f "$TRAIN_EXIT_CODE_FILE"
     exit "$rc"
 }
 
-_forwarding_once() {
+# _attempt ARGS...: one run of ARGS in the background, waited for through the traps; returns its
+# exit code, or ends the script once a preemption came (_preempted).
+_attempt() {
     echo "+ $(_quote "$@")" >&2
     rm -f "$TRAIN_EXIT_CODE_FILE"
     "$@" &
     _CHILD=$! _PREEMPTED=0
-    local sig
-    for sig in TERM INT HUP USR1; do
+    local sig rc
+    for sig in "${_SIGNALS[@]}"; do
         # shellcheck disable=SC2064
-        trap "_preempt_forwarded $sig" "$sig"
+        trap "_preempt $sig" "$sig"
     done
-    local rc
     while :; do
         rc=0; wait "$_CHILD" || rc=$?
         kill -0 "$_CHILD" 2>/dev/null || break      # still running: a trap cut the wait short
     done
-    trap - TERM INT HUP USR1
-    if (( _PREEMPTED )); then
-        echo "$(basename "$0"): stopped on request (exit code $rc); $(_saved_line "$TRAIN_EXIT_CODE_FILE"); run the same command to resume" >&2
-        rm -f "$TRAIN_EXIT_CODE_FILE"
-        exit "$rc"
-    fi
+    trap - "${_SIGNALS[@]}"
+    (( _PREEMPTED )) && _preempted "$rc"
     return "$rc"
 }
 
-_preempt_forwarded() {
+_preempt() {
     (( _PREEMPTED )) && return
     _PREEMPTED=1
-    echo "$(basename "$0"): SIG$1: SIGUSR1 to the ranks, which finish their step, save it and exit (the launcher is left to end with them)" >&2
-    if [[ ${_FORWARD[0]} == hosts ]]; then _signal_ranks hosts "${_FORWARD[1]}"; else _signal_ranks local; fi
+    if [[ ${_WHERE[0]} == slurm ]]; then
+        echo "$(basename "$0"): SLURM time limit near: SIGUSR1 to the ranks, which save their step and exit (grace $PREEMPT_GRACE_S s)" >&2
+    else
+        echo "$(basename "$0"): SIG$1: SIGUSR1 to the ranks, which finish their step, save it and exit (the launcher is left to end with them)" >&2
+    fi
+    _signal_ranks "${_WHERE[@]}"
 }
 
-# _run_preemptible ARGS...: as _run, for a SLURM batch script submitted with
-# `--signal=B:USR1@SECONDS` and `--requeue`: the batch shell stays up while ARGS (srun) runs, so
-# that when SLURM's warning arrives it can send SIGUSR1 to the ranks (_signal_ranks slurm; srun
-# and torchrun get no signal). The ranks finish their step, save it and exit 75
-# (training/resilience/preemption.py); the job then requeues itself and the same command resumes
-# from the checkpoint the ranks report.
-_run_preemptible() {
-    (( DRY_RUN )) && _run "$@"
-    export TRAIN_EXIT_CODE_FILE=${TRAIN_EXIT_CODE_FILE:-$PWD/.train_exit_codes.$SLURM_JOB_ID}
-    (( MAX_RESTARTS > 0 )) && _run_restarting _preemptible_once "$@"
-    local rc=0
-    _preemptible_once "$@" || rc=$?
+# _preempted RC: the end of a preempted attempt: requeue (SLURM) or stop, naming what was saved.
+_preempted() {
+    local saved
+    saved=$(_saved_line "$TRAIN_EXIT_CODE_FILE")
     rm -f "$TRAIN_EXIT_CODE_FILE"
-    exit "$rc"
-}
-
-# _preemptible_once ARGS...: one attempt of _run_preemptible; requeues the job and exits 0 when
-# SLURM's warning came, else returns ARGS' exit code.
-_preemptible_once() {
-    echo "+ $(_quote "$@")" >&2
-    rm -f "$TRAIN_EXIT_CODE_FILE"
-    "$@" &
-    _CHILD=$! _PREEMPTED=0
-    trap '(( _PREEMPTED )) || { _PREEMPTED=1; echo "$(basename "$0"): SLURM time limit near: SIGUSR1 to the ranks, which save their step and exit (grace $PREEMPT_GRACE_S s)" >&2; _signal_ranks slurm; }' USR1
-    local rc
-    while :; do
-        rc=0; wait "$_CHILD" || rc=$?
-        kill -0 "$_CHILD" 2>/dev/null || break      # still running: the trap cut the wait short
-    done
-    trap - USR1
-    if (( _PREEMPTED )); then
-        local saved
-        saved=$(_saved_line "$TRAIN_EXIT_CODE_FILE")
-        rm -f "$TRAIN_EXIT_CODE_FILE"
+    if [[ ${_WHERE[0]} == slurm ]]; then
         scontrol requeue "$SLURM_JOB_ID" ||
             die "scontrol requeue $SLURM_JOB_ID failed: submit the same sbatch line again to resume ($saved)"
         echo "$(basename "$0"): requeued job $SLURM_JOB_ID; $saved" >&2
         exit 0
     fi
-    return "$rc"
+    echo "$(basename "$0"): stopped on request (exit code $1); $saved; run the same command to resume" >&2
+    exit "$1"
 }
 
 # ---- One function per launcher.
@@ -328,7 +304,8 @@ launch_torchrun_cpu() {
 # One node: DeepSpeed starts NPROC_PER_NODE ranks on GPUs 0..N-1.
 launch_deepspeed() {
     _parse 2 "RECIPE CONFIG" "$@"; RECIPE=${POS[0]} CONFIG=${POS[1]}; _train
-    _run_forwarding local "" deepspeed --num_gpus "$NPROC_PER_NODE" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
+    _WHERE=(local)
+    _run_signalled deepspeed --num_gpus "$NPROC_PER_NODE" ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }
 
 # Several nodes from a DeepSpeed hostfile ("HOST slots=8" per line): DeepSpeed ssh-es (pdsh) into
@@ -355,7 +332,8 @@ launch_deepspeed_hostfile() {
     _write_deepspeed_env CUDA_DEVICE_MAX_CONNECTIONS OMP_NUM_THREADS ${forward[@]+"${forward[@]}"}
     local names
     names=$(awk '!/^[[:space:]]*(#|$)/ {print $1}' "$HOSTFILE" | head -n "$NUM_NODES" | paste -sd, -)
-    _run_forwarding hosts "$names" deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
+    _WHERE=(hosts "$names")
+    _run_signalled deepspeed --hostfile "$HOSTFILE" --num_nodes "$NUM_NODES" --num_gpus "$NPROC_PER_NODE" \
         ${MASTER_ADDR:+--master_addr "$MASTER_ADDR"} ${MASTER_PORT:+--master_port "$MASTER_PORT"} "${TRAIN[@]}"
 }
 
@@ -384,7 +362,8 @@ launch_srun_torchrun() {
     (( ${#hosts[@]} == NUM_NODES )) ||
         die "the job has ${#hosts[@]} nodes, this script needs $NUM_NODES (copy it for another shape)"
     : "${MASTER_ADDR:=${hosts[0]}}" "${MASTER_PORT:=29500}"
-    _run_preemptible srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
+    _WHERE=(slurm)
+    _run_signalled srun --nodes "$NUM_NODES" --ntasks-per-node 1 --gpus-per-node "$NPROC_PER_NODE" --kill-on-bad-exit=1 \
         torchrun --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" --rdzv_backend c10d \
         --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID" "${_TORCHRUN_GRACE[@]}" "${TRAIN[@]}"
 }
