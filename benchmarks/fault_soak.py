@@ -116,7 +116,10 @@ class Run:
         return out
 
     def recorded_codes(self) -> set[str]:
-        return set(self.codes.read_text().split()[::2]) if self.codes.is_file() else set()
+        """The ranks' exit codes: the first word of each line ("CODE RANK [NOTE]")."""
+        if not self.codes.is_file():
+            return set()
+        return {line.split()[0] for line in self.codes.read_text().splitlines() if line.strip()}
 
 
 def _wait_for_step(run: Run, proc, step: int, timeout: float = 300) -> bool:
