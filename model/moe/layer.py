@@ -66,6 +66,14 @@ class StepCounts:
         return self.total / self.micro_batches
 
 
+def set_shared_expert_overlap(model: nn.Module, on: bool) -> None:
+    """Compute every MoE layer's shared experts while its dispatch all-to-all is in flight (under
+    expert parallelism; ``MoELayer.overlap_shared_experts``)."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            module.overlap_shared_experts = on
+
+
 def start_balance_step(model: nn.Module) -> None:
     """Forget the previous optimizer step's routed counts (call before a step's first forward)."""
     for module in model.modules():
@@ -121,6 +129,10 @@ class MoELayer(nn.Module):
         # Activation checkpointing of the expert FFNs only (``experts`` policy): backward
         # recomputes the grouped GEMMs between the exchanges, not the routing or the exchanges.
         self.checkpoint_experts = False
+        # Shared experts computed while the dispatch all-to-all is in flight (Megatron's
+        # ``moe_shared_expert_overlap``; recipe key ``parallel.shared_expert_overlap``): the same
+        # operations on the same values as the sequential path, in another order.
+        self.overlap_shared_experts = False
         self.step_counts = StepCounts()     # global-batch balancing's running counts (not state)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
@@ -152,17 +164,16 @@ class MoELayer(nn.Module):
         # Plan in rank order of experts (the identity without expert parallelism).
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
+        shared = None
         if ep > 1:
-            out = self._routed_over_ep(x, weights, plan)                    # (T, H) partial over tp
+            overlapped = self._shared if self.overlap_shared_experts else None
+            out, shared = self._routed_over_ep(x, weights, plan, overlapped, router_in)
         else:
             rows = dispatcher.permute(x, plan)                              # (k*T, H) dropped last
             y = self._experts(rows, plan.kept_per_expert)                 # (k*T, H) partial
             out = dispatcher.unpermute(y, weights, plan, num_tokens)        # (T, H) partial over tp
         if self.shared_experts is not None:                                 # summed over tp with out
-            shared = self.shared_experts(x)                                 # (T, H) partial over tp
-            if self.shared_expert_gate is not None:
-                shared = shared * self.shared_expert_gate(router_in)       # (T, 1) gate
-            out = out + shared
+            out = out + (shared if shared is not None else self._shared(x, router_in))
         out = leave_tp_region(out.reshape(shape), g)                        # summed over tp
 
         routed = plan.routed_per_expert[self.expert_position]               # (E,) by expert id
@@ -176,6 +187,13 @@ class MoELayer(nn.Module):
             step_counts=self.step_counts if moe.global_balance and self.training else None)
         return out, aux
 
+    def _shared(self, x: torch.Tensor, router_in: torch.Tensor) -> torch.Tensor:
+        """(T, H) -> (T, H) the shared experts' output, partial over tp, times their gate."""
+        shared = self.shared_experts(x)
+        if self.shared_expert_gate is not None:
+            shared = shared * self.shared_expert_gate(router_in)           # (T, 1) gate
+        return shared
+
     def _experts(self, rows: torch.Tensor, per_expert: torch.Tensor,
                  sizes: list[int] | None = None) -> torch.Tensor:
         if self.checkpoint_experts and self.training:
@@ -188,13 +206,14 @@ class MoELayer(nn.Module):
     # data-dependent size, which would recompile the graph for every new N. Its result, (T, H),
     # has the static shape the compiled rest of the block continues from.
     @torch.compiler.disable
-    def _routed_over_ep(self, x: torch.Tensor, weights: torch.Tensor,
-                        plan: dispatcher.DispatchPlan) -> torch.Tensor:
-        """(T, H) tokens -> (T, H) combined expert outputs, through the exchange (``_exchange``)."""
+    def _routed_over_ep(self, x: torch.Tensor, weights: torch.Tensor, plan: dispatcher.DispatchPlan,
+                        overlapped=None, router_in: torch.Tensor | None = None):
+        """(T, H) tokens -> (T, H) combined expert outputs, through the exchange (``_exchange``),
+        and ``overlapped(x, router_in)`` computed while the dispatch is in flight (None without)."""
         splits = self._exchange_counts(plan.kept_per_expert)              # the one host copy
         rows = dispatcher.permute(x, plan, splits.num_send)                 # (N, H) kept rows
-        y = self._exchange(rows, splits)                                    # (N, H) partial over tp
-        return dispatcher.unpermute(y, weights, plan, x.shape[0])           # (T, H)
+        y, during = self._exchange(rows, splits, overlapped and (lambda: overlapped(x, router_in)))
+        return dispatcher.unpermute(y, weights, plan, x.shape[0]), during   # (T, H)
 
     def _exchange_counts(self, per_expert: torch.Tensor) -> _Splits:
         """Steps 1-2 of the exchange (see ``_exchange``): the counts, and the split sizes on the
@@ -208,8 +227,10 @@ class MoELayer(nn.Module):
                        out_splits=[sum(row) for row in recv_host], recv=recv,
                        expert_sizes=[sum(col) for col in zip(*recv_host)])
 
-    def _exchange(self, rows: torch.Tensor, s: _Splits) -> torch.Tensor:
-        """Send each row to the rank holding its expert, run the local experts, send back.
+    def _exchange(self, rows: torch.Tensor, s: _Splits, during=None) -> tuple[torch.Tensor, object]:
+        """Send each row to the rank holding its expert, run the local experts, send back; and
+        ``during()``, when given, run while the rows travel (its result is returned beside the
+        outputs; backward overlaps its gradient with the reversed exchange the same way).
 
         1. (``_exchange_counts``, before the rows are permuted) ``per_expert`` (E,) counts this
            rank's kept rows per expert, in rank order; viewed as (ep, E_local), row j is what
@@ -222,7 +243,12 @@ class MoELayer(nn.Module):
         """
         g, e_local = self.groups, self.experts.num_experts
         wire = self.moe.dispatch_dtype
-        received = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group, wire)  # (N_recv, H)
+        if during is None:
+            received, done = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group, wire), None
+        else:
+            token, pending = comm.all_to_all_start(rows, s.out_splits, s.in_splits, g.ep_group, wire)
+            done = during()                                                 # while rows travel
+            received = comm.all_to_all_wait(token, pending)                 # (N_recv, H)
         local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
         row_expert = torch.repeat_interleave(local_id, s.recv.flatten(),
                                              output_size=received.shape[0])  # (N_recv,)
@@ -232,7 +258,7 @@ class MoELayer(nn.Module):
                                                                           device=order.device))
         y = y.index_select(0, inverse)                                      # back to source order
         combine = "bf16" if wire else None                                  # fp8 dispatches only
-        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group, combine)    # (N, H)
+        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group, combine), done  # (N, H)
 
 
 def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = None,

@@ -236,17 +236,101 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.in_splits, ctx.out_splits, ctx.group, wire), None, None, None, None
 
 
-def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire) -> torch.Tensor:
-    """``all_to_all_single`` of the rows of ``x`` (N, H), sent in the ``wire`` format, returned
-    in ``x``'s dtype."""
+class Pending:
+    """An all-to-all in flight (``all_to_all_start``): the buffers and work handles of its
+    forward and, once backward has started it, of its reversed exchange."""
+
+    def __init__(self, out_splits, in_splits, group, wire):
+        self.out_splits, self.in_splits, self.group, self.wire = out_splits, in_splits, group, wire
+        self.sent = self.received = self.work = self.dtype = None
+
+
+def _start(x: torch.Tensor, out_splits, in_splits, group, wire) -> tuple:
+    """Start ``all_to_all_single`` of ``x``'s rows in the ``wire`` format without waiting:
+    (send buffer, receive buffer, work)."""
     send = x.contiguous()
     if wire == "bf16":
         send = send.to(torch.bfloat16)
     elif wire == "fp8":
         send = _to_fp8(send)
     out = send.new_empty((sum(out_splits),) + tuple(send.shape[1:]))
-    dist.all_to_all_single(out, send, out_splits, in_splits, group=group)
-    return _from_fp8(out, x.dtype) if wire == "fp8" else out.to(x.dtype)
+    work = dist.all_to_all_single(out, send, out_splits, in_splits, group=group, async_op=True)
+    return send, out, work
+
+
+def _decode(out: torch.Tensor, wire, dtype: torch.dtype) -> torch.Tensor:
+    return _from_fp8(out, dtype) if wire == "fp8" else out.to(dtype)
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Forward: start the exchange (``Pending``) and return an empty token that ``_AllToAllWait``
+    takes, so that autograd orders the pair. Backward: wait for the reversed exchange that
+    ``_AllToAllWait``'s backward started, and return its rows as ``x``'s gradient."""
+
+    @staticmethod
+    def forward(ctx, x, pending):
+        ctx.pending = pending
+        pending.dtype = x.dtype
+        pending.sent, pending.received, pending.work = _start(x, pending.out_splits, pending.in_splits,
+                                                              pending.group, pending.wire)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        p = ctx.pending
+        p.work.wait()
+        grad = _decode(p.received, "bf16" if p.wire else None, p.dtype)
+        p.sent = p.received = p.work = None
+        return grad, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Forward: wait for the exchange ``_AllToAllStart`` began; the received rows. Backward: start
+    the reversed exchange of their gradient (bf16 on the wire when the forward was compressed) and
+    return at once: ``_AllToAllStart``'s backward waits for it, so that what backward computes in
+    between (the shared experts' backward) overlaps it."""
+
+    @staticmethod
+    def forward(ctx, token, pending):
+        ctx.pending = pending
+        pending.work.wait()
+        out = _decode(pending.received, pending.wire, pending.dtype)
+        pending.sent = pending.received = pending.work = None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = ctx.pending
+        p.sent, p.received, p.work = _start(grad, p.in_splits, p.out_splits, p.group,
+                                            "bf16" if p.wire else None)
+        return grad.new_empty(0), None
+
+
+def all_to_all_start(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None,
+                     wire: str | None = None) -> tuple[torch.Tensor, Pending | torch.Tensor]:
+    """``all_to_all`` split in two so that work can run while the rows travel:
+    ``token, pending = all_to_all_start(x, ...)``, the overlapped work, then
+    ``all_to_all_wait(token, pending)``, equal to ``all_to_all(x, ...)`` in value and gradient.
+    Backward overlaps the reversed exchange the same way."""
+    if not _active(group):
+        return x, x
+    pending = Pending(out_splits, in_splits, group, wire)
+    return _AllToAllStart.apply(x, pending), pending
+
+
+def all_to_all_wait(token: torch.Tensor, pending) -> torch.Tensor:
+    """The rows ``all_to_all_start`` sent, once they have arrived (see there)."""
+    if not isinstance(pending, Pending):
+        return pending              # one rank: ``all_to_all_start`` handed ``x`` itself back
+    return _AllToAllWait.apply(token, pending)
+
+
+def _exchange(x: torch.Tensor, out_splits, in_splits, group, wire) -> torch.Tensor:
+    """``all_to_all_single`` of the rows of ``x`` (N, H), sent in the ``wire`` format, returned
+    in ``x``'s dtype."""
+    _, out, work = _start(x, out_splits, in_splits, group, wire)
+    work.wait()
+    return _decode(out, wire, x.dtype)
 
 
 FP8_MAX = 448.0                     # the largest finite float8 e4m3fn

@@ -44,12 +44,30 @@ class ParallelConfig:
     """How long any collective may wait before the job fails (every process group's timeout)."""
     backend: Literal["auto", "nccl", "gloo", "cuda:gloo"] = "auto"
     """auto (NCCL on GPUs, gloo on CPU); cuda:gloo refuses CPU tensors as NCCL does, on one GPU."""
+    grad_compression: Literal["none", "bf16", "powersgd"] = "none"
+    """The data-parallel gradient exchange: bf16 (DeepSpeed's communication_data_type, ZeRO 0-2) or powersgd (ZeRO-0 fp32)."""
+    powersgd_rank: int = 4
+    """PowerSGD's factor width r: r (n + m) numbers per n x m gradient matrix instead of n m."""
+    powersgd_start_steps: int = 10
+    """Optimizer steps whose gradients are exchanged uncompressed before PowerSGD starts."""
+    powersgd_error_feedback: bool = True
+    """Carry what the compression left out into the next step (off only to study what it does)."""
+    shared_expert_overlap: bool = False
+    """Compute the shared experts while the expert dispatch all-to-all is in flight (needs ep > 1 and shared experts)."""
 
     def __post_init__(self) -> None:
         ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
         if not self.timeout_minutes > 0:
             raise ValueError(f"parallel.timeout_minutes ({self.timeout_minutes}) must be > 0: "
                              f"give the minutes a collective may wait (30 is a good default)")
+        check_int("parallel.powersgd_rank", self.powersgd_rank, 1)
+        check_int("parallel.powersgd_start_steps", self.powersgd_start_steps, 0)
+        if self.grad_compression != "powersgd":
+            for f in dataclasses.fields(self):
+                if f.name.startswith("powersgd_") and getattr(self, f.name) != f.default:
+                    raise ValueError(f"parallel.{f.name} ({getattr(self, f.name)!r}) is set but "
+                                     f"parallel.grad_compression is {self.grad_compression}: set "
+                                     f"grad_compression: powersgd, or drop {f.name}")
 
 
 @dataclass(frozen=True)
@@ -277,6 +295,13 @@ def _check_cross(r: Recipe) -> None:
     """Checks between sections: the data and tokenizer fit the model, and so does the
     checkpointing policy (the layout is ``Recipe.dims``)."""
     m = r.model
+    if r.parallel.shared_expert_overlap:
+        if m.moe is None or not m.moe.num_shared_experts:
+            raise ValueError("parallel.shared_expert_overlap is true but the model has no shared "
+                             "experts (model.moe.num_shared_experts): set it false")
+        if r.parallel.expert_parallel_size == 1:
+            raise ValueError("parallel.shared_expert_overlap is true but expert_parallel_size is 1: "
+                             "there is no expert exchange to overlap; set it false or use ep > 1")
     if r.data.seq_len is not None and r.data.seq_len > m.max_seq_len:
         raise ValueError(f"data.seq_len ({r.data.seq_len}) exceeds model.max_seq_len "
                          f"({m.max_seq_len}): lower it or raise model.max_seq_len")

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 
 from model import Transformer, TransformerConfig
+from model.moe.layer import set_shared_expert_overlap
 from model.parallel.groups import ParallelGroups
 from training.checkpoint.shard_maps import enable_universal_checkpoint
 from training.engine.compile import compile_blocks
@@ -27,7 +28,15 @@ def build_model(recipe, init_from: Path | None, groups: ParallelGroups,
     pipeline stages, this rank's layers of a ``training.engine.pipeline.TransformerPipe``. Under ZeRO-3
     (``ds``, the run's DeepSpeed JSON) partitioned over dp as it is built, so that no rank ever
     holds the whole model (``training/engine/sharded_build.py``). With ``data.document_masking`` the
-    tokenizer's ``eos_token_id`` separates the documents (``model/document_mask.py``)."""
+    tokenizer's ``eos_token_id`` separates the documents (``model/document_mask.py``). With
+    ``parallel.shared_expert_overlap`` the shared experts run while the dispatch is in flight."""
+    model = _build_model(recipe, init_from, groups, ds, eos_token_id)
+    set_shared_expert_overlap(model, recipe.parallel.shared_expert_overlap)
+    return model
+
+
+def _build_model(recipe, init_from: Path | None, groups: ParallelGroups,
+                 ds: dict | None, eos_token_id: int | None) -> Transformer:
     if recipe.data.document_masking:
         if eos_token_id is None:
             raise ValueError("data.document_masking is true but build_model got no eos_token_id")

@@ -33,6 +33,7 @@ from training.engine.build import build_engine, build_model
 from training.resilience import preemption, watchdog
 from training.run import distributed, outputs
 from training.run.preflight import Plan, prepare
+from training.step.grad_compression import build_compressor
 from training.step.history import StepHistory
 from training.step.stepper import StepContext, Stepper
 
@@ -110,6 +111,7 @@ class Run:
                                                     eos_token_id)
         self.engine = self.where.engine = build_engine(self.model, plan.ds, plan.recipe.train.steps,
                                                        ctx.groups, plan.recipe.model)
+        self.compressor = build_compressor(plan.recipe, self.engine, ctx.groups)   # PowerSGD, or None
         self.history = StepHistory.for_run(plan.recipe, plan.ds, ctx, plan.dp_size)
 
     def build_stepper(self, signals: preemption.Preemption | None = None,
@@ -118,7 +120,7 @@ class Run:
         writer when it has them (the benchmarks drive it without)."""
         plan = self.plan
         self.stepper = Stepper(self.engine, plan.recipe, plan.ds, self.ctx, plan.dp_size, self.history,
-                               self.where, preemption=signals, saver=saver)
+                               self.where, preemption=signals, saver=saver, compressor=self.compressor)
         return self.stepper
 
     def setup(self) -> None:
@@ -137,6 +139,8 @@ class Run:
         self.state = TrainState(ctx.rank)
         self.state.register("data", self.sampler)          # the data order's position
         self.state.register("monitor", self.history)       # spike window, tokens, noise-scale EMAs
+        if self.compressor is not None:                    # this rank's error feedback and Q
+            self.state.register("grad_compression", self.compressor, per_rank=True)
 
         if rank0:           # only now: a start refused while the data or model is built writes nothing
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)

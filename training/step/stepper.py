@@ -100,11 +100,14 @@ class Stepper:
         where: the ``StepContext`` to keep current (a private one when None).
         preemption: the run's ``training.resilience.preemption.Preemption`` (``stop_requested`` reads it).
         saver: the run's ``training.checkpoint.saving.Saver`` (``saves_written`` reads it).
+        compressor: the run's PowerSGD (``training/step/grad_compression.py``), which replaces
+            DeepSpeed's data-parallel all-reduce after the last backward; None: DeepSpeed's.
     """
 
     def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, history: StepHistory | None = None,
-                 where: StepContext | None = None, *, preemption=None, saver=None):
+                 where: StepContext | None = None, *, preemption=None, saver=None, compressor=None):
         self.engine, self.recipe, self.ctx = engine, recipe, ctx
+        self.compressor = compressor
         self.where = where if where is not None else StepContext()
         self.dp_size, self.tokens_per_step = dp_size, ds["train_batch_size"] * recipe.seq_len
         self.model = engine.module
@@ -165,6 +168,9 @@ class Stepper:
             if i == 0 and self.noise:    # .grad: this micro-batch's gradient (gas >= 2)
                 self.noise.measure(self.model, stats[NOISE])
             if last:
+                if self.compressor is not None and decision.skip_reason is None:
+                    where.phase = "gradient exchange (PowerSGD)"
+                    self.compressor.reduce()        # a skipped step leaves its state alone
                 self._prepare_last_step(decision)
                 where.phase = "optimizer step"
             engine.step()
@@ -343,6 +349,8 @@ class Stepper:
                "step_time_s": step_time}
         if self.noise:
             row.update(self.noise.row(values.small_batch_grad_sq, row["grad_norm"], applied))
+        if self.compressor is not None:     # what this rank sent to the data-parallel all-reduces
+            row["grad_exchange_bytes"] = self.compressor.last_bytes if decision.skip_reason is None else 0
         extra = {}
         if self.moe_blocks:
             moe_row, extra = self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)
