@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from model.config import MoEConfig
-from model.moe import dispatcher, losses
+from model.moe import dispatcher, losses, node_exchange
 from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter
 from model.moe.shared import SharedExpertGate, SharedExperts
@@ -165,7 +165,9 @@ class MoELayer(nn.Module):
         plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         shared = None
-        if ep > 1:
+        if ep > 1 and g.ep_cross_group is not None:                         # across nodes, deduplicated
+            out = self._routed_over_nodes(x, weights, plan)                 # (T, H) partial over tp
+        elif ep > 1:
             overlapped = self._shared if self.overlap_shared_experts else None
             out, shared = self._routed_over_ep(x, weights, plan, overlapped, router_in)
         else:
@@ -215,19 +217,36 @@ class MoELayer(nn.Module):
         y, during = self._exchange(rows, splits, overlapped and (lambda: overlapped(x, router_in)))
         return dispatcher.unpermute(y, weights, plan, x.shape[0]), during   # (T, H)
 
-    def _exchange_counts(self, per_expert: torch.Tensor) -> _Splits:
+    @torch.compiler.disable
+    def _routed_over_nodes(self, x: torch.Tensor, weights: torch.Tensor,
+                           plan: dispatcher.DispatchPlan) -> torch.Tensor:
+        """(T, H) tokens -> (T, H) combined expert outputs, each token crossing the network once
+        per destination node (``model/moe/node_exchange.py``)."""
+        return node_exchange.routed_over_nodes(self, x, weights, plan)
+
+    def exchange_over(self, rows: torch.Tensor, per_expert: torch.Tensor, group, size: int) -> torch.Tensor:
+        """The flat exchange of ``rows`` (grouped by destination rank and local expert,
+        ``per_expert`` (size x E_local,) of them each) over ``group`` of ``size`` ranks holding
+        this layer's experts in order: the local experts' outputs, back in ``rows``' order."""
+        y, _ = self._exchange(rows, self._exchange_counts(per_expert, group, size), None, group, size)
+        return y
+
+    def _exchange_counts(self, per_expert: torch.Tensor, group=None, size: int | None = None) -> _Splits:
         """Steps 1-2 of the exchange (see ``_exchange``): the counts, and the split sizes on the
         host, which the uneven all-to-all needs there: send and receive tables come over in one
-        device-to-host copy, the layer's only one."""
+        device-to-host copy, the layer's only one. Over the ep group unless ``group`` (of
+        ``size`` ranks) is given."""
         g, e_local = self.groups, self.experts.num_experts
-        send = per_expert.view(g.ep, e_local)                               # (ep, E_local)
-        recv = comm.all_to_all_counts(send, g.ep_group)                     # (ep, E_local)
+        group, size = (g.ep_group, g.ep) if size is None else (group, size)
+        send = per_expert.view(size, e_local)                               # (ep, E_local)
+        recv = comm.all_to_all_counts(send, group)                          # (ep, E_local)
         send_host, recv_host = torch.stack((send, recv)).tolist()           # (2, ep, E_local)
         return _Splits(in_splits=[sum(row) for row in send_host],
                        out_splits=[sum(row) for row in recv_host], recv=recv,
                        expert_sizes=[sum(col) for col in zip(*recv_host)])
 
-    def _exchange(self, rows: torch.Tensor, s: _Splits, during=None) -> tuple[torch.Tensor, object]:
+    def _exchange(self, rows: torch.Tensor, s: _Splits, during=None, group=None,
+                  size: int | None = None) -> tuple[torch.Tensor, object]:
         """Send each row to the rank holding its expert, run the local experts, send back; and
         ``during()``, when given, run while the rows travel (its result is returned beside the
         outputs; backward overlaps its gradient with the reversed exchange the same way).
@@ -242,14 +261,15 @@ class MoELayer(nn.Module):
         4. Undo the sort and the exchange for the outputs.
         """
         g, e_local = self.groups, self.experts.num_experts
+        group, size = (g.ep_group, g.ep) if size is None else (group, size)
         wire = self.moe.dispatch_dtype
         if during is None:
-            received, done = comm.all_to_all(rows, s.out_splits, s.in_splits, g.ep_group, wire), None
+            received, done = comm.all_to_all(rows, s.out_splits, s.in_splits, group, wire), None
         else:
-            token, pending = comm.all_to_all_start(rows, s.out_splits, s.in_splits, g.ep_group, wire)
+            token, pending = comm.all_to_all_start(rows, s.out_splits, s.in_splits, group, wire)
             done = during()                                                 # while rows travel
             received = comm.all_to_all_wait(token, pending)                 # (N_recv, H)
-        local_id = torch.arange(e_local, device=rows.device).repeat(g.ep)   # (ep*E_local,)
+        local_id = torch.arange(e_local, device=rows.device).repeat(size)   # (ep*E_local,)
         row_expert = torch.repeat_interleave(local_id, s.recv.flatten(),
                                              output_size=received.shape[0])  # (N_recv,)
         order = torch.argsort(row_expert, stable=True)
@@ -258,7 +278,7 @@ class MoELayer(nn.Module):
                                                                           device=order.device))
         y = y.index_select(0, inverse)                                      # back to source order
         combine = "bf16" if wire else None                                  # fp8 dispatches only
-        return comm.all_to_all(y, s.in_splits, s.out_splits, g.ep_group, combine), done  # (N, H)
+        return comm.all_to_all(y, s.in_splits, s.out_splits, group, combine), done   # (N, H)
 
 
 def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = None,

@@ -60,6 +60,11 @@ class ParallelGroups:
     pp_group: object = None
     expert_placement: str = "contiguous"
     sequence_parallel: bool = False   # Megatron SP: activations outside TP regions split by tp
+    # The hierarchical expert exchange (``model/moe/node_exchange.py``): ep ranks per node, the
+    # ep ranks of this node, and the ep ranks of the same place on every node (None: flat).
+    ep_per_node: int = 0
+    ep_node_group: object = None
+    ep_cross_group: object = None
     _ranks: dict = field(default_factory=dict, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)   # real groups, size 1 included
 
@@ -108,13 +113,17 @@ class ParallelGroups:
 
 
 def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = "contiguous",
-                 sequence_parallel: bool = False, timeout: timedelta | None = None) -> ParallelGroups:
+                 sequence_parallel: bool = False, timeout: timedelta | None = None,
+                 node_size: int | None = None) -> ParallelGroups:
     """Create every group on every rank (``new_group`` is collective) and keep this rank's.
 
     Communicates over the default group. With one process, returns all-``None`` groups. The
     degrees are checked by ``ParallelDims`` (``model/parallel/dims.py``). ``timeout`` is each
     group's collective timeout (torch's default when None).
     ``sequence_parallel`` takes effect only with tp > 1 (see ``model/parallel/layers.py``).
+    ``node_size`` (ranks per node, for the hierarchical expert exchange): also split each ep
+    group by node (``ep_node_group``) and across nodes (``ep_cross_group``); the ep group must
+    span whole nodes (tp x ep a multiple of ``node_size``, more than one node).
     """
     if expert_placement not in ("contiguous", "round_robin"):
         raise ValueError(f"parallel.expert_placement ({expert_placement!r}) must be "
@@ -153,7 +162,32 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = 
                 out._ranks[name] = ranks
                 out._handles[name] = group
                 setattr(out, f"{name}_group", group if size > 1 else None)
+            if name == "ep" and node_size:
+                _split_by_node(out, ranks, tp, ep, node_size, rank, timeout)
     return out
+
+
+def _split_by_node(out: ParallelGroups, ep_ranks: list[int], tp: int, ep: int, node_size: int,
+                   rank: int, timeout) -> None:
+    """The node and cross-node sub-groups of one ep group (its ranks in ep order), created on
+    every rank alike; this rank's kept in ``out``."""
+    if node_size % tp or (tp * ep) % node_size or tp * ep == node_size:
+        raise ValueError(f"parallel.node_size ({node_size}): the hierarchical expert exchange needs "
+                         f"the ep group (tp x ep = {tp * ep} consecutive ranks) to span several whole "
+                         f"nodes and tp ({tp}) to divide the node; use the flat exchange here")
+    per_node = node_size // tp
+    nodes = ep // per_node
+    for n in range(nodes):                          # ep ranks of node n
+        ranks = ep_ranks[n * per_node:(n + 1) * per_node]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            out.ep_node_group = group if per_node > 1 else None
+    for place in range(per_node):                   # the same place on every node
+        ranks = ep_ranks[place::per_node]
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            out.ep_cross_group = group
+    out.ep_per_node = per_node
 
 
 def local_experts(num_experts: int, groups: ParallelGroups | None) -> list[int]:

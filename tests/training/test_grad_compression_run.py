@@ -11,7 +11,8 @@ made for), tiny Mixtral and tiny dense; the bytes of every all-reduce of a step 
   was; the next step trains on.
 * Resuming from a checkpoint (copy of the run, the later checkpoint removed, as after a crash)
   continues bitwise: the same losses, norms, bytes and PowerSGD state as the uninterrupted run.
-* Each setting that cannot apply is refused before the start in one line naming the key.
+* Each setting that cannot apply is refused before the start in one line naming the key (the
+  communication keys of ``parallel``: compression, shared-expert overlap, hierarchical exchange).
 """
 
 from __future__ import annotations
@@ -119,9 +120,18 @@ def test_resume_continues_bitwise(runs):
     (2, "zero0_fp32", ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"],
      "parallel.powersgd_rank (0) must be an integer >= 1"),
     (2, "zero0_fp32", ["parallel.grad_compression=fp8"], "parallel.grad_compression"),
+    (2, "zero1_fp32", ["parallel.shared_expert_overlap=true", "parallel.expert_parallel_size=2"],
+     "shared_expert_overlap is true but the model has no shared experts"),
+    (2, "zero1_fp32", ["parallel.expert_exchange=hierarchical"], "expert_parallel_size is 1; use flat"),
+    (4, "zero1_fp32", ["parallel.expert_exchange=hierarchical", "parallel.expert_parallel_size=4",
+                       "parallel.node_size=4"], "must span several whole nodes"),
+    (4, "zero1_fp32", ["parallel.expert_exchange=hierarchical", "parallel.expert_parallel_size=4",
+                       "model.moe.dispatch_dtype=bf16"], "dispatch_dtype is bf16"),
+    (4, "zero1_fp32", ["parallel.node_size=2"], "parallel.node_size (2) is set but parallel.expert_exchange is flat"),
 ])
 def test_settings_that_cannot_apply_are_refused(monkeypatch, world, config, sets, message):
     monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ValueError) as err:
         plan_for(f"ds_configs/{config}.json", sets=sets)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -54,6 +54,10 @@ class ParallelConfig:
     """Carry what the compression left out into the next step (off only to study what it does)."""
     shared_expert_overlap: bool = False
     """Compute the shared experts while the expert dispatch all-to-all is in flight (needs ep > 1 and shared experts)."""
+    expert_exchange: Literal["flat", "hierarchical"] = "flat"
+    """hierarchical: each token crosses the network once per destination node, then spreads inside it."""
+    node_size: int | None = None
+    """Ranks per node for the hierarchical exchange; null = LOCAL_WORLD_SIZE, the ranks the launcher starts per node."""
 
     def __post_init__(self) -> None:
         ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
@@ -62,6 +66,10 @@ class ParallelConfig:
                              f"give the minutes a collective may wait (30 is a good default)")
         check_int("parallel.powersgd_rank", self.powersgd_rank, 1)
         check_int("parallel.powersgd_start_steps", self.powersgd_start_steps, 0)
+        check_int("parallel.node_size", self.node_size, 1, optional=True)
+        if self.node_size is not None and self.expert_exchange == "flat":
+            raise ValueError(f"parallel.node_size ({self.node_size}) is set but parallel.expert_exchange "
+                             f"is flat: set expert_exchange: hierarchical, or drop node_size")
         if self.grad_compression != "powersgd":
             for f in dataclasses.fields(self):
                 if f.name.startswith("powersgd_") and getattr(self, f.name) != f.default:
@@ -295,6 +303,15 @@ def _check_cross(r: Recipe) -> None:
     """Checks between sections: the data and tokenizer fit the model, and so does the
     checkpointing policy (the layout is ``Recipe.dims``)."""
     m = r.model
+    if r.parallel.expert_exchange == "hierarchical":
+        problem = ("the model has no experts" if m.moe is None else
+                   "expert_parallel_size is 1" if r.parallel.expert_parallel_size == 1 else
+                   f"model.moe.dispatch_dtype is {m.moe.dispatch_dtype} (rows travel as computed)"
+                   if m.moe.dispatch_dtype else
+                   "shared_expert_overlap is true (it overlaps the flat exchange)"
+                   if r.parallel.shared_expert_overlap else None)
+        if problem:
+            raise ValueError(f"parallel.expert_exchange hierarchical: {problem}; use flat")
     if r.parallel.shared_expert_overlap:
         if m.moe is None or not m.moe.num_shared_experts:
             raise ValueError("parallel.shared_expert_overlap is true but the model has no shared "

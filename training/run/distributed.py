@@ -102,6 +102,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def exchange_node_size(recipe) -> int | None:
+    """Ranks per node for ``parallel.expert_exchange: hierarchical`` (``parallel.node_size``, else
+    the launcher's LOCAL_WORLD_SIZE), or None for the flat exchange. ValueError (one line) when
+    neither says, or when the ep group does not span whole nodes."""
+    par = recipe.parallel
+    if par.expert_exchange == "flat":
+        return None
+    size = par.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if not size:
+        raise ValueError("parallel.expert_exchange hierarchical: the launcher did not set "
+                         "LOCAL_WORLD_SIZE; set parallel.node_size to the ranks per node")
+    tp, ep = par.tensor_parallel_size, par.expert_parallel_size
+    if size % tp or (tp * ep) % size or tp * ep == size:
+        raise ValueError(f"parallel.expert_exchange hierarchical with node_size {size}: the ep group "
+                         f"(tp x ep = {tp * ep} consecutive ranks) must span several whole nodes and tp "
+                         f"({tp}) divide a node; use flat (an ep group inside one node never crosses "
+                         f"the network)")
+    return size
+
+
 def init_distributed(recipe: Recipe) -> DistContext:
     """Create the default process group (gloo on CPU, NCCL on GPU) through DeepSpeed, or join
     the one this process already has (DeepSpeed then only records it), then this run's
@@ -139,7 +159,7 @@ def init_distributed(recipe: Recipe) -> DistContext:
     par = recipe.parallel
     groups = build_groups(par.tensor_parallel_size, par.expert_parallel_size,
                           par.pipeline_parallel_size, par.expert_placement, par.sequence_parallel,
-                          timeout)
+                          timeout, exchange_node_size(recipe))
     # One small collective, before any long work: markers of this launch cannot be stale ones.
     launch_id = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0],
                              dtype=torch.int64, device=device)

@@ -36,6 +36,8 @@ def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int, en
                   "tensor_parallel_size": par.tensor_parallel_size,
                   "expert_parallel_size": par.expert_parallel_size,
                   "pipeline_parallel_size": par.pipeline_parallel_size,
+                  # ep ranks per node of the hierarchical expert exchange (0: the flat one)
+                  "ep_ranks_per_node": ctx.groups.ep_per_node,
                   "device": str(ctx.device.type), "gpu": ctx.gpu.name if ctx.gpu else None},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "deepspeed": deepspeed.__version__, "transformers": transformers.__version__},

@@ -23,6 +23,7 @@ from training.config import ds_config
 from training.config.recipe import Recipe, apply_overrides, load_recipe
 from training.data import sources
 from training.optim import optimizers, schedules
+from training.run.distributed import exchange_node_size
 from training.step.grad_compression import apply_grad_compression
 
 
@@ -58,6 +59,7 @@ def prepare(args: argparse.Namespace, outputs: bool = True) -> Plan:
     ds = resolve_ds_config(ds, recipe)
     ds_config.check_layout(ds, dims)
     ds = apply_grad_compression(ds, recipe.parallel.grad_compression, dims)
+    exchange_node_size(recipe)                         # the hierarchical exchange's nodes
     check_backend(recipe)
     check_precision(ds, args.config)
     check_data_source(recipe)
