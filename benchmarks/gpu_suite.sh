@@ -155,7 +155,7 @@ step_compile() {
 step_nccl_check() {
   local extra=()
   [ "$SIZE" = gpu ] || extra=(--backend gloo --device cpu --mb 16)
-  "$PY" -m torch.distributed.run --standalone $NCCL_ARGS benchmarks/nccl_check.py "${extra[@]}" \
+  "$PY" -m torch.distributed.run --standalone $NCCL_ARGS benchmarks/nccl_check.py --sweep "${extra[@]}" \
     | tee -a "$FIG"
 }
 

@@ -1,7 +1,9 @@
 """Collectives on the GPUs of one node: an all-reduce and an all-to-all checked for their values,
-then timed (256 MB all-reduce, 10 rounds), with bus bandwidth as nccl-tests defines it.
+then timed (256 MB all-reduce, 10 rounds), with bus bandwidth as nccl-tests defines it; with
+``--sweep``, both timed at every size from 32 KB to ``--mb`` (x4 per size) beside the planner's
+NVLink bus bandwidth for the GPU (``planning/hardware.py``).
 
-    python -m torch.distributed.run --nproc_per_node N benchmarks/nccl_check.py     # N GPUs, NCCL
+    python -m torch.distributed.run --nproc_per_node N benchmarks/nccl_check.py --sweep     # N GPUs, NCCL
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/nccl_check.py --backend gloo --device cpu
 
 Bus bandwidth is ``2(n-1)/n x bytes / time`` for an all-reduce: the bytes each GPU's link
@@ -35,7 +37,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mb", type=int, default=256, help="all-reduce size in MB (fp32)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--timeout-s", type=int, default=120, help="process-group timeout")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time all-reduce and all-to-all from 32 KB up to --mb, x4 per size, and "
+                        "print bus bandwidth beside the planner's NVLink figure for this GPU")
     return p.parse_args(argv)
+
+
+def _timed(fn, rounds: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over ``rounds`` calls, after one untimed call."""
+    fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / rounds
+
+
+def planner_busbw(device: torch.device) -> tuple[float, float] | None:
+    """The planner's NCCL bus bandwidths inside a node for this GPU (all-reduce, all-to-all),
+    GB/s (``planning/hardware.py``), or None off a GPU it knows."""
+    if device.type != "cuda":
+        return None
+    from planning.hardware import DEVICES
+    from training.hardware import detect_gpu
+    gpu = detect_gpu(torch.cuda.get_device_name(device))
+    known = DEVICES.get(gpu.name) if gpu is not None else None
+    return (known.nvlink_busbw_gb_s, known.nvlink_a2a_gb_s) if known else None
+
+
+def sweep(group, world: int, max_mb: int, rounds: int, device: torch.device) -> list[str]:
+    """Markdown rows: per message size, all-reduce and all-to-all time and bus bandwidth
+    (nccl-tests' definitions: all-reduce algbw x 2(n-1)/n, all-to-all algbw x (n-1)/n)."""
+    planner = planner_busbw(device)
+    note = f"{planner[0]:.0f} / {planner[1]:.0f}" if planner else "n/a"
+    rows = ["| size | all-reduce | busbw GB/s | all-to-all | busbw GB/s | planner's NVLink busbw (all-reduce / all-to-all) |",
+            "|---|---|---|---|---|---|"]
+    size = 32 * 2**10
+    while size <= max_mb * 2**20:
+        n = max(world, size // 4 // world * world)           # fp32 elements, divisible by world
+        x = torch.ones(n, device=device)
+        t_ar = _timed(lambda: comm.all_reduce_sum(x, group), rounds, device)
+        per = n // world
+        t_a2a = _timed(lambda: comm.all_to_all(x.view(n, 1), [per] * world, [per] * world, group),
+                       rounds, device)
+        nbytes = n * 4
+
+        def bus(t: float, factor: float) -> str:
+            return f"{factor * nbytes / t / 1e9:.1f}" if world > 1 else "n/a"
+        rows.append(f"| {nbytes / 2**20:.3g} MB | {t_ar * 1e6:.0f} us | {bus(t_ar, 2 * (world - 1) / world)} "
+                    f"| {t_a2a * 1e6:.0f} us | {bus(t_a2a, (world - 1) / world)} | {note} |")
+        size *= 4
+    return rows
 
 
 def _sync(device: torch.device) -> None:
@@ -85,6 +138,10 @@ def main(argv=None) -> int:
             bw = "bus bandwidth: n/a at world size 1 (no link between GPUs; run with N >= 2)"
         print(f"nccl check ({where}): values {'ok' if all_ok else 'WRONG'}; all_reduce "
               f"{args.mb} MB {dt * 1e3:.2f} ms; {bw}", flush=True)
+    if args.sweep and all_ok:
+        rows = sweep(group, world, args.mb, args.rounds, device)
+        if rank == 0:
+            print("\n".join(rows), flush=True)
     dist.destroy_process_group()
     return 0 if all_ok else 1
 

@@ -151,3 +151,17 @@ def test_nccl_check_at_world_size_one_reports_no_bus_bandwidth():
                           "--rounds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "world 1): values ok" in out.stdout and "bus bandwidth: n/a at world size 1" in out.stdout
+
+
+def test_nccl_check_sweeps_sizes_with_bus_bandwidth():
+    """Two gloo ranks on the CPU: every size from 32 KB to --mb (x4) timed, with a bus bandwidth
+    (there is a link between two ranks) and no planner figure (not a GPU it knows)."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "benchmarks/nccl_check.py", "--backend", "gloo", "--device", "cpu", "--mb", "2",
+                          "--rounds", "2", "--sweep"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and " MB |" in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| 0.0312 MB", "| 0.125 MB", "| 0.5 MB", "| 2 MB"], out.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) >= 0 and float(cells[4]) >= 0 and cells[5] == "n/a", row
