@@ -21,7 +21,7 @@ from benchmarks import gpu_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ["device contract", "dense", "MoE", "MoE layer", "end to end", "compile", "NCCL check",
-            "gpu tests"]
+            "overlap_comm", "gpu tests"]
 
 
 @pytest.fixture(scope="module")
