@@ -11,6 +11,8 @@ made for), tiny Mixtral and tiny dense; the bytes of every all-reduce of a step 
   was; the next step trains on.
 * Resuming from a checkpoint (copy of the run, the later checkpoint removed, as after a crash)
   continues bitwise: the same losses, norms, bytes and PowerSGD state as the uninterrupted run.
+* Under EP2 x DP2 (4 ranks) PowerSGD's own reduction equals DeepSpeed's step for step in its
+  uncompressed start (each expert averaged over its own replicas), and compresses after it.
 * Each setting that cannot apply is refused before the start in one line naming the key (the
   communication keys of ``parallel``: compression, shared-expert overlap, hierarchical exchange).
 """
@@ -142,3 +144,25 @@ def test_bf16_sets_deepspeeds_communication_type(monkeypatch):
     plan = plan_for("ds_configs/zero2_fp32.json", sets=["parallel.grad_compression=bf16"])
     assert plan.ds["communication_data_type"] == "bf16"
     assert "communication_data_type" not in plan_for("ds_configs/zero2_fp32.json").ds
+
+
+def test_powersgd_under_expert_parallelism_reduces_over_each_experts_replicas(warm_launcher, tmp_path):
+    """4 ranks, EP2 x DP2, fp32 ZeRO-0: PowerSGD's own reduction in its uncompressed start (all 3
+    steps) equals DeepSpeed's all-reduce step for step (relative 1e-6: the same two-rank sums,
+    divided in another place): each expert's gradient is averaged over its own data-parallel
+    replicas, after the non-expert gradients were summed over ep. Reduced over a wrong group
+    (e.g. the whole job) the expert gradients would mix different experts. A compressed run
+    (start 1) trains on at this layout."""
+    config = ds_variant(tmp_path, "zero0_fp32", train_micro_batch_size_per_gpu=4)
+    ep = ["parallel.expert_parallel_size=2", "eval.every=0"]
+    psgd = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=4"]
+    warm_launcher.launch_many([(tmp_path / "none", config, ep),
+                               (tmp_path / "start", config, ep + psgd + ["parallel.powersgd_start_steps=10"]),
+                               (tmp_path / "compressed", config, ep + psgd + ["parallel.powersgd_start_steps=1"])],
+                              nproc=4, steps=3)
+    none, start, compressed = (rows(tmp_path / n) for n in ("none", "start", "compressed"))
+    for a, b in zip(none, start):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    assert compressed[2]["grad_exchange_bytes"] * 8 <= start[2]["grad_exchange_bytes"]
+    assert all(r["loss"] < 20 and "skipped" not in r for r in compressed)
