@@ -11,8 +11,33 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections and bind(0) (Linux)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (for MASTER_PORT), drawn below the
+    kernel's ephemeral range: a port from bind(0) is free when asked but can be handed again,
+    between its release and the store's bind, to another process's outgoing connection (the
+    many gloo connections of tests running beside it), and torchrun's store then waits 60 s
+    on a port it did not open."""
+    import random
+    floor = _ephemeral_floor()
+    if floor > 11000:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(10000, floor)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
