@@ -35,7 +35,9 @@ class ParallelConfig:
     expert_parallel_size: int = 1
     """Ranks the experts of each MoE layer are spread over; must divide model.moe.num_experts."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages (DeepSpeed PipelineModule, 1F1B); DeepSpeed allows only ZeRO-0/1 with it."""
+    """Pipeline stages (DeepSpeed PipelineModule); DeepSpeed allows only ZeRO-0/1 with it."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1"] = "1f1b"
+    """1f1b (DeepSpeed's TrainSchedule) or gpipe (all forwards, then all backwards); zb-h1 is not available yet."""
     sequence_parallel: bool = False
     """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
     expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
@@ -66,6 +68,11 @@ class ParallelConfig:
                              f"give the minutes a collective may wait (30 is a good default)")
         check_int("parallel.powersgd_rank", self.powersgd_rank, 1)
         check_int("parallel.powersgd_start_steps", self.powersgd_start_steps, 0)
+        if self.pipeline_schedule == "zb-h1":
+            raise ValueError("parallel.pipeline_schedule zb-h1 is not available yet: use 1f1b or gpipe")
+        if self.pipeline_schedule != "1f1b" and self.pipeline_parallel_size == 1:
+            raise ValueError(f"parallel.pipeline_schedule {self.pipeline_schedule} needs pipeline stages "
+                             f"(pipeline_parallel_size is 1): set pipeline_parallel_size > 1, or drop it")
         check_int("parallel.node_size", self.node_size, 1, optional=True)
         if self.node_size is not None and self.expert_exchange == "flat":
             raise ValueError(f"parallel.node_size ({self.node_size}) is set but parallel.expert_exchange "

@@ -62,9 +62,10 @@ def _build_model(recipe, init_from: Path | None, groups: ParallelGroups,
 
 
 def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups,
-                 model_cfg: TransformerConfig | None = None):
+                 model_cfg: TransformerConfig | None = None, pipeline_schedule: str = "1f1b"):
     """``deepspeed.initialize`` with our parameter groups (muP's per-group lrs when ``model_cfg``
-    asks for them), optimizer and scheduler choices."""
+    asks for them), optimizer and scheduler choices; with pipeline stages, the training schedule
+    ``pipeline_schedule`` (``pipe_schedules.py``)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -90,6 +91,9 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                       optimizer=client_opt, lr_scheduler=lr_scheduler,
                                       config=ds, mpu=mpu)
+    if groups.pp > 1:
+        from training.engine import pipe_schedules
+        pipe_schedules.install(engine, pipeline_schedule)
     return engine
 
 

@@ -38,6 +38,9 @@ def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int, en
                   "pipeline_parallel_size": par.pipeline_parallel_size,
                   # ep ranks per node of the hierarchical expert exchange (0: the flat one)
                   "ep_ranks_per_node": ctx.groups.ep_per_node,
+                  # the schedule class the pipeline engine's train_batch runs (null: no stages)
+                  "pipeline_schedule": (type(engine._train_schedule()).__name__
+                                        if engine is not None and ctx.groups.pp > 1 else None),
                   "device": str(ctx.device.type), "gpu": ctx.gpu.name if ctx.gpu else None},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "deepspeed": deepspeed.__version__, "transformers": transformers.__version__},

@@ -110,7 +110,8 @@ class Run:
         self.model = self.where.model = build_model(plan.recipe, plan.init_from, ctx.groups, plan.ds,
                                                     eos_token_id)
         self.engine = self.where.engine = build_engine(self.model, plan.ds, plan.recipe.train.steps,
-                                                       ctx.groups, plan.recipe.model)
+                                                       ctx.groups, plan.recipe.model,
+                                                       plan.recipe.parallel.pipeline_schedule)
         self.compressor = build_compressor(plan.recipe, self.engine, ctx.groups)   # PowerSGD, or None
         self.history = StepHistory.for_run(plan.recipe, plan.ds, ctx, plan.dp_size)
 

@@ -1,0 +1,102 @@
+"""The pipeline schedules' instruction streams (``training/engine/pipe_schedules.py``), replayed in pure
+Python for every stage of p = 2 and 4 stages with m = 4 and 8 micro-batches:
+
+* each stream is complete: every micro-batch's forward and backward once, the optimizer step
+  last, and every send matched by the neighbour's receive;
+* executed together with blocking sends and receives (a send waits for the matching receive),
+  the stages of each schedule finish: no deadlock;
+* live activations (a forward's buffer held until its backward): 1F1B holds at most
+  min(p - s, m) on stage s, GPipe m on every stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+from deepspeed.runtime.pipe import schedule as ds
+
+from training.engine.pipe_schedules import SCHEDULES, schedule_for
+
+SENDS = {ds.SendActivation: ("act", +1), ds.SendGrad: ("grad", -1)}
+RECVS = {ds.RecvActivation: ("act", -1), ds.RecvGrad: ("grad", +1)}
+
+
+def _streams(name: str, m: int, p: int) -> list[list]:
+    return [[cmd for step in schedule_for(name, m, p, s).steps() for cmd in step] for s in range(p)]
+
+
+def _replay(streams: list[list]) -> None:
+    """Run the stages' streams together: a send blocks until the neighbour posts the matching
+    receive (same kind, same micro-batch order); fails on a deadlock."""
+    pos = [0] * len(streams)
+    sent = {}       # (kind, from stage, to stage) -> count sent and received so far
+    received = {}
+    done = lambda s: pos[s] == len(streams[s])      # noqa: E731
+    while not all(done(s) for s in range(len(streams))):
+        moved = False
+        for s, stream in enumerate(streams):
+            while not done(s):
+                cmd = stream[pos[s]]
+                if type(cmd) in RECVS:
+                    kind, delta = RECVS[type(cmd)]
+                    key = (kind, s + delta, s)
+                    if sent.get(key, 0) <= received.get(key, 0):
+                        break                          # nothing to receive yet
+                    received[key] = received.get(key, 0) + 1
+                elif type(cmd) in SENDS:
+                    kind, delta = SENDS[type(cmd)]
+                    key = (kind, s, s + delta)
+                    if sent.get(key, 0) > received.get(key, 0):
+                        break                          # the previous send not yet received
+                    sent[key] = sent.get(key, 0) + 1
+                pos[s] += 1
+                moved = True
+        assert moved, f"deadlock at {[(s, streams[s][pos[s]] if not done(s) else None) for s in range(len(streams))]}"
+
+
+def _peak_live(stream: list) -> int:
+    live = peak = 0
+    for cmd in stream:
+        if isinstance(cmd, ds.ForwardPass):
+            live += 1
+            peak = max(peak, live)
+        elif isinstance(cmd, ds.BackwardPass):
+            live -= 1
+    return peak
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedules_are_complete_finish_and_hold_what_they_should(name, p, m):
+    streams = _streams(name, m, p)
+    for s, stream in enumerate(streams):
+        forwards = [c.buffer_id for c in stream if isinstance(c, ds.ForwardPass)]
+        backwards = [c.buffer_id for c in stream if isinstance(c, ds.BackwardPass)]
+        assert len(forwards) == len(backwards) == m
+        assert isinstance(stream[-1], ds.OptimizerStep)
+        peak = _peak_live(stream)
+        if name == "gpipe":
+            assert peak == m and sorted(forwards) == sorted(backwards) == list(range(m)), (s, peak)
+        else:
+            assert peak == min(p - s, m), (s, peak)
+    _replay(streams)
+
+
+def test_the_replay_finds_a_deadlock():
+    """The replay can fail: the last stage waiting for a gradient that no stage sends."""
+    streams = _streams("gpipe", 2, 2)
+    streams[1] = [ds.RecvGrad(0)] + streams[1]
+    with pytest.raises(AssertionError, match="deadlock"):
+        _replay(streams)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["parallel.pipeline_schedule=zb-h1", "parallel.pipeline_parallel_size=2"], "zb-h1 is not available yet"),
+    (["parallel.pipeline_schedule=gpipe"], "needs pipeline stages (pipeline_parallel_size is 1)"),
+    (["parallel.pipeline_schedule=interleaved"], "parallel.pipeline_schedule"),
+])
+def test_a_schedule_that_cannot_run_is_refused_in_one_line(monkeypatch, sets, message):
+    from training.run.preflight import plan_for
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError) as err:
+        plan_for("ds_configs/zero1_fp32.json", sets=sets)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
