@@ -227,8 +227,10 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                       gradient_accumulation_steps=global_batch // (micro * dims.dp))
             try:
                 r = dataclasses.replace(
-                    recipe, parallel=ParallelConfig(dims.tp, dims.ep, dims.pp, dims.sp,
-                                                    recipe.parallel.expert_placement),
+                    recipe, parallel=ParallelConfig(
+                        tensor_parallel_size=dims.tp, expert_parallel_size=dims.ep,
+                        pipeline_parallel_size=dims.pp, sequence_parallel=dims.sp,
+                        expert_placement=recipe.parallel.expert_placement),
                     train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
                 est = estimate(r, ds, world, gpus_per_node, gpu, host_memory_gb)
             except ValueError:

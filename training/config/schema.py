@@ -26,7 +26,7 @@ from training.data.sources import parse_sources
 _MIN_BPE_VOCAB = 258
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)        # by name only: fields are added in reading order
 class ParallelConfig:
     """Model-parallel layout; data parallelism takes the remaining ranks of the world."""
 
