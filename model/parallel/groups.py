@@ -167,14 +167,22 @@ def build_groups(tp: int = 1, ep: int = 1, pp: int = 1, expert_placement: str = 
     return out
 
 
+def check_node_size(tp: int, ep: int, node_size: int) -> None:
+    """The hierarchical expert exchange's one condition: the ep group (tp x ep consecutive ranks)
+    spans several whole nodes of ``node_size`` ranks, and tp divides a node. ValueError (one line)
+    otherwise."""
+    if node_size % tp or (tp * ep) % node_size or tp * ep == node_size:
+        raise ValueError(f"parallel.expert_exchange hierarchical with node_size {node_size}: the ep "
+                         f"group (tp x ep = {tp * ep} consecutive ranks) must span several whole nodes "
+                         f"and tp ({tp}) divide a node; use flat (an ep group inside one node never "
+                         f"crosses the network)")
+
+
 def _split_by_node(out: ParallelGroups, ep_ranks: list[int], tp: int, ep: int, node_size: int,
                    rank: int, timeout) -> None:
     """The node and cross-node sub-groups of one ep group (its ranks in ep order), created on
     every rank alike; this rank's kept in ``out``."""
-    if node_size % tp or (tp * ep) % node_size or tp * ep == node_size:
-        raise ValueError(f"parallel.node_size ({node_size}): the hierarchical expert exchange needs "
-                         f"the ep group (tp x ep = {tp * ep} consecutive ranks) to span several whole "
-                         f"nodes and tp ({tp}) to divide the node; use the flat exchange here")
+    check_node_size(tp, ep, node_size)
     per_node = node_size // tp
     nodes = ep // per_node
     for n in range(nodes):                          # ep ranks of node n

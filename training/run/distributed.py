@@ -24,7 +24,7 @@ from typing import NoReturn
 import torch
 
 from model.parallel import comm
-from model.parallel.groups import ParallelGroups, build_groups
+from model.parallel.groups import ParallelGroups, build_groups, check_node_size
 from training.config.schema import Recipe
 from training.files import CACHE_DIR, atomic_write, record_exit_code, wait_for_file
 from training.hardware import detect_gpu, train_flops_per_token
@@ -113,12 +113,7 @@ def exchange_node_size(recipe) -> int | None:
     if not size:
         raise ValueError("parallel.expert_exchange hierarchical: the launcher did not set "
                          "LOCAL_WORLD_SIZE; set parallel.node_size to the ranks per node")
-    tp, ep = par.tensor_parallel_size, par.expert_parallel_size
-    if size % tp or (tp * ep) % size or tp * ep == size:
-        raise ValueError(f"parallel.expert_exchange hierarchical with node_size {size}: the ep group "
-                         f"(tp x ep = {tp * ep} consecutive ranks) must span several whole nodes and tp "
-                         f"({tp}) divide a node; use flat (an ep group inside one node never crosses "
-                         f"the network)")
+    check_node_size(par.tensor_parallel_size, par.expert_parallel_size, size)
     return size
 
 
