@@ -90,8 +90,9 @@ def test_a_preempted_job_saves_within_the_lead_time_requeues_and_resumes(warm_la
     text = (tmp_path / "job.log").read_text()
     assert rc == 0, text[-3000:]
     assert 30 < took < LEAD_S, (took, text[-3000:])        # the save outlasted 30 s, not the lead
-    saved = next(line.split("; it resumes from ")[1] for line in text.splitlines()
-                 if f"requeued job {JOB_ID}; it resumes from " in line)
+    saved = next((line.split("; it resumes from ")[1] for line in text.splitlines()
+                  if f"requeued job {JOB_ID}; it resumes from " in line), None)
+    assert saved is not None, text[-3000:]          # the job's own words when it did not say so
     step = int(Path(saved).name[len("step"):])
     assert 2 <= step < STEPS and f"preempted at step {step}: {saved} saved" in text, text[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == Path(saved).name
