@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data_pipeline.indexed import sync_directory, sync_file
 
-__all__ = ["CACHE_DIR", "REPO", "atomic_write", "note_exit", "record_exit_code", "sync_directory", "sync_file",
+__all__ = ["CACHE_DIR", "REPO", "atomic_write", "record_exit_code", "record_saved", "sync_directory", "sync_file",
            "sync_path", "wait_for_file"]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,24 +70,28 @@ def wait_for_file(path: Path, what: str, timeout_s: float, poll_s: float = 0.5,
 EXIT_CODE_FILE = "TRAIN_EXIT_CODE_FILE"
 
 
-_EXIT_NOTE: list[str] = []
-
-
-def note_exit(note: str) -> None:
-    """A word for the launch scripts after the exit code (``saved=<checkpoint>``: a preempted
-    run's verified checkpoint, which the requeue message names)."""
-    _EXIT_NOTE[:] = [note]
-
-
-def record_exit_code(code: int) -> None:
-    """Append ``<code> <rank>`` (and the ``note_exit`` note) to the file ``$TRAIN_EXIT_CODE_FILE``
-    names, if set, for a non-zero code: the launch scripts' restart loop reads it, since torchrun
-    and DeepSpeed's launcher report their own exit code, not the trainer's (``launch/common.sh``)."""
+def _append_code_line(words: list[str]) -> None:
     path = os.environ.get(EXIT_CODE_FILE)
-    if not path or code == 0:
+    if not path:
         return
     try:
         with open(path, "a") as f:       # one short write per rank: appends do not interleave
-            f.write(" ".join([str(code), os.environ.get("RANK", "0"), *_EXIT_NOTE]) + "\n")
+            f.write(" ".join(words) + "\n")
     except OSError:
         pass
+
+
+def record_saved(code: int, checkpoint) -> None:
+    """Append ``<code> <rank> saved=<checkpoint>`` to ``$TRAIN_EXIT_CODE_FILE`` (if set) as soon
+    as a preempted run's checkpoint has verified, before the rank's teardown: the requeue
+    message names it (``launch/common.sh``, ``_saved_line``) even if the launcher kills this
+    rank on its way out (torchrun terminates the others once the first rank has exited 75)."""
+    _append_code_line([str(code), os.environ.get("RANK", "0"), f"saved={checkpoint}"])
+
+
+def record_exit_code(code: int) -> None:
+    """Append ``<code> <rank>`` to the file ``$TRAIN_EXIT_CODE_FILE`` names, if set, for a
+    non-zero code: the launch scripts' restart loop reads it, since torchrun and DeepSpeed's
+    launcher report their own exit code, not the trainer's (``launch/common.sh``)."""
+    if code != 0:
+        _append_code_line([str(code), os.environ.get("RANK", "0")])

@@ -242,13 +242,15 @@ def test_a_hostfile_launch_hands_the_ranks_the_exit_code_file_through_deepspeed_
 
 
 # A stand-in for a rank, started as the launchers start one ("python -u .../launch/train.py"):
-# on SIGUSR1 it reports its exit code as the trainer does (rank 0 with the checkpoint that
-# verified, FAKE_SAVED) and exits 75.
-FAKE_RANK = """import os, signal, sys, time
+# on SIGUSR1 it reports its exit code through the trainer's own functions (rank 0 first the
+# checkpoint that verified, FAKE_SAVED, then its code) and exits 75.
+FAKE_RANK = f"""import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from training import files
 def stop(*_):
-    saved = os.environ.get("FAKE_SAVED")
-    with open(os.environ["TRAIN_EXIT_CODE_FILE"], "a") as f:
-        f.write("75 0" + (" saved=" + saved if saved else "") + "\\n")
+    if os.environ.get("FAKE_SAVED"):
+        files.record_saved(75, os.environ["FAKE_SAVED"])
+    files.record_exit_code(75)
     sys.exit(75)
 signal.signal(signal.SIGUSR1, stop)
 open(os.environ["MARKS"] + "/started", "w").close()

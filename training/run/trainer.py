@@ -61,6 +61,7 @@ class Run:
         self.ckpt_dir = plan.run_dir / "checkpoints"
         self.created_group = False
         self.start_step = 0
+        self.signals: preemption.Preemption | None = None
 
     @classmethod
     def prepare(cls, args) -> Run:
@@ -80,6 +81,11 @@ class Run:
             self.finish()
             return code
         finally:
+            # The preemption handlers stay until here: a launcher's SIGTERM during a preempted
+            # run's teardown (torchrun ends the other ranks once one has exited 75) is recorded,
+            # not fatal, so the metrics' and W&B's closing and the exit code still happen.
+            if self.signals is not None:
+                self.signals.close()
             self.watchdog.close()       # a caller in this process (a test) keeps no watchdog running
 
     # -- set-up
@@ -212,14 +218,13 @@ class Run:
             if preempted and tag and rank0:
                 print(f"preempted at step {step}: {self.ckpt_dir / tag} saved; run the same command "
                       f"to resume (exit code {preemption.EXIT_CODE})", file=sys.stderr, flush=True)
-                files.note_exit(f"saved={self.ckpt_dir / tag}")      # for the requeue message
+                files.record_saved(preemption.EXIT_CODE, self.ckpt_dir / tag)   # for the requeue message
             if stop or preempted:
                 code = code or (preemption.EXIT_CODE if preempted else 0)
                 break
         dog.finishing()         # the final save's wait, the metrics' and W&B's closing
         saver.close()
         self.tracker.close()
-        self.signals.close()
         return code
 
     def finish(self) -> None:
