@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.parallel import weight_grad
 from model.parallel.groups import ParallelGroups, local_experts
 from model.parallel.layers import check_tp_divides, even_slice, shard_param
 
@@ -185,6 +186,30 @@ def _grouped_mm_backward(ctx, dy):
 _grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
+class _DeferrableGroupedMM(torch.autograd.Function):
+    """``grouped_mm`` whose weight gradient may wait for a W (``model/parallel/weight_grad.py``):
+    the same products as its own backward, ``dx = dy @ w_e^T`` now, ``dw = x_e^T @ dy_e`` now
+    or queued."""
+
+    @staticmethod
+    def forward(ctx, x, w, groups):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.groups = w, groups      # the parameter itself: W adds to its ``.grad``
+        return grouped_mm(x, w, groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,), w, groups = ctx.saved_tensors, ctx.weight, ctx.groups
+        dx = grouped_mm(dy, w.transpose(-2, -1), groups) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            def compute():
+                return (torch.ops.moe.grouped_mm_wgrad(x, dy, groups.counts),)
+            if not weight_grad.STORE.defer((w,), compute):
+                dw = compute()[0]
+        return dx, dw, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts: ``down(silu(x @ gate) * (x @ up))`` per expert.
 
@@ -230,6 +255,7 @@ class GroupedExperts(nn.Module):
         on the T tokens rather than on the k*T rows). ``sizes``: ``rows_per_expert`` on the
         host, when the caller already has it (the per-expert loop then copies nothing)."""
         groups = ExpertGroups(rows_per_expert, sizes)
-        gate = grouped_mm(x, self.gate_proj, groups)                # (N, I/tp)
-        up = grouped_mm(x, self.up_proj, groups)                    # (N, I/tp)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, groups)   # (N, H) partial
+        mm = _DeferrableGroupedMM.apply if weight_grad.STORE.enabled else grouped_mm
+        gate = mm(x, self.gate_proj, groups)                # (N, I/tp)
+        up = mm(x, self.up_proj, groups)                    # (N, I/tp)
+        return mm(F.silu(gate) * up, self.down_proj, groups)   # (N, H) partial

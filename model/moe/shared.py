@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.parallel import comm
+from model.parallel import comm, weight_grad
 from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, check_tp_divides,
@@ -50,9 +50,9 @@ class SharedExperts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, H) tokens inside the tp region (replicated or gathered, gradient summed over tp
         by the caller's region entry) -> (T, H) partial sums over tp."""
-        gate = F.linear(x, self.gate_proj.weight)                     # (T, I/tp)
-        up = F.linear(x, self.up_proj.weight)                         # (T, I/tp)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)     # (T, H) partial
+        gate = weight_grad.linear(x, self.gate_proj.weight)                     # (T, I/tp)
+        up = weight_grad.linear(x, self.up_proj.weight)                         # (T, I/tp)
+        return weight_grad.linear(F.silu(gate) * up, self.down_proj.weight)     # (T, H) partial
 
 
 class SharedExpertGate(nn.Module):

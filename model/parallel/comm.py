@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from model.parallel import weight_grad
+
 
 def _active(group) -> bool:
     return group is not None and dist.is_available() and dist.is_initialized()
@@ -192,18 +194,22 @@ class _GatherSequenceLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, *weights):
-        ctx.group = group
-        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.weights = group, weights     # the parameters themselves (deferred W)
+        ctx.save_for_backward(x)
         full = gather_dim(x, 1, group)
         return tuple(F.linear(full, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        full = gather_dim(x, 1, ctx.group).flatten(0, -2)                  # (B*S, H)
+        (x,), weights, group = ctx.saved_tensors, ctx.weights, ctx.group
         grad_full = sum(g @ w for g, w in zip(grads, weights))              # (B, S, H)
-        grad_weights = [g.flatten(0, -2).t() @ full for g in grads]         # (out, H) each
-        return reduce_scatter_dim(grad_full, 1, ctx.group), None, *grad_weights
+
+        def grad_weights():     # the shard gathered again: in B, or in a deferred W
+            full = gather_dim(x, 1, group).flatten(0, -2)                   # (B*S, H)
+            return tuple(g.flatten(0, -2).t() @ full for g in grads)        # (out, H) each
+        deferred = weight_grad.STORE.defer(weights, grad_weights)
+        return (reduce_scatter_dim(grad_full, 1, group), None,
+                *((None,) * len(weights) if deferred else grad_weights()))
 
 
 class _GradOnFirstRank(torch.autograd.Function):

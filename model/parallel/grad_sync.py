@@ -87,7 +87,9 @@ class ReplicaGradSync:
     def _group(self, param: torch.Tensor):
         return getattr(self.groups, f"{param.grad_sum_over}_group")
 
-    def _hook(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    def _hook(self, param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if grad is None:        # a deferred weight gradient (weight_grad.py): its W sums it
+            return None
         if self._mode == "micro_batch":      # a copy: autograd may hand the same tensor elsewhere
             return comm.all_reduce_sum(grad.clone(memory_format=torch.contiguous_format),
                                        self._group(param))
@@ -95,6 +97,15 @@ class ReplicaGradSync:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.sum_accumulated)
         return None
+
+    def summed(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` summed over ``param``'s group now: a gradient added to ``.grad`` by hand
+        (a deferred weight gradient, ``weight_grad.py``) fires no hook. "micro_batch" mode,
+        whose hooks sum each backward's gradient the same way."""
+        if self._mode != "micro_batch":
+            raise RuntimeError("ReplicaGradSync.summed needs mode 'micro_batch' (a deferred "
+                               "weight gradient lands after the step mode's end-of-backward sum)")
+        return comm.all_reduce_sum(grad.contiguous(), self._group(param))
 
     def sum_accumulated(self) -> None:
         """Sum every marked gradient over its group, one all-reduce per (group, dtype) bucket

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.parallel import comm
+from model.parallel import comm, weight_grad
 from model.parallel.draw import (block_length, draw, fill_from_full, fill_shards, init_from_full,
                                  take_shard)
 from model.parallel.grad_sync import sum_grad_over
@@ -84,7 +84,7 @@ def column_parallel_linears(x: torch.Tensor, weights, groups: ParallelGroups) ->
     if groups.sequence_parallel:
         return comm.gather_sequence_linears(x, weights, groups.tp_group)
     x = comm.copy_to_region(x, groups.tp_group)
-    return tuple(F.linear(x, w) for w in weights)
+    return tuple(weight_grad.linear(x, w) for w in weights)
 
 
 def enter_tp_region(x: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
@@ -168,7 +168,7 @@ class RowParallelLinear(nn.Module):
         sum_grad_over(self.weight, g, "ep")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = weight_grad.linear(x, self.weight)
         return leave_tp_region(y, self.groups)
 
 
