@@ -14,7 +14,9 @@ from __future__ import annotations
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from training.engine.pipe_schedules import SCHEDULES, schedule_for
+from training.engine.pipe_schedules import SCHEDULES, BackwardInputPass, WeightPass, schedule_for
+
+BACKWARDS = (ds.BackwardPass, BackwardInputPass)
 
 SENDS = {ds.SendActivation: ("act", +1), ds.SendGrad: ("grad", -1)}
 RECVS = {ds.RecvActivation: ("act", -1), ds.RecvGrad: ("grad", +1)}
@@ -53,13 +55,14 @@ def _replay(streams: list[list]) -> None:
         assert moved, f"deadlock at {[(s, streams[s][pos[s]] if not done(s) else None) for s in range(len(streams))]}"
 
 
-def _peak_live(stream: list) -> int:
+def _peak_live(stream: list, until=BACKWARDS) -> int:
+    """The most micro-batches between their forward and their ``until`` instruction."""
     live = peak = 0
     for cmd in stream:
         if isinstance(cmd, ds.ForwardPass):
             live += 1
             peak = max(peak, live)
-        elif isinstance(cmd, ds.BackwardPass):
+        elif isinstance(cmd, until):
             live -= 1
     return peak
 
@@ -70,7 +73,8 @@ def test_schedules_are_complete_finish_and_hold_what_they_should(name, p, m):
     streams = _streams(name, m, p)
     for s, stream in enumerate(streams):
         forwards = [c.buffer_id for c in stream if isinstance(c, ds.ForwardPass)]
-        backwards = [c.buffer_id for c in stream if isinstance(c, ds.BackwardPass)]
+        backwards = [c.buffer_id for c in stream if isinstance(c, BACKWARDS)]
+        weights = [c.buffer_id for c in stream if isinstance(c, WeightPass)]
         assert len(forwards) == len(backwards) == m
         assert isinstance(stream[-1], ds.OptimizerStep)
         peak = _peak_live(stream)
@@ -78,6 +82,15 @@ def test_schedules_are_complete_finish_and_hold_what_they_should(name, p, m):
             assert peak == m and sorted(forwards) == sorted(backwards) == list(range(m)), (s, peak)
         else:
             assert peak == min(p - s, m), (s, peak)
+        if name == "zb-h1" and s > 0:
+            # every B's W, in order, the first s held back; W's inputs held at most min(p, m)
+            assert weights == backwards and all(isinstance(c, BackwardInputPass) for c in stream
+                                                if isinstance(c, BACKWARDS)), s
+            first_w = next(i for i, c in enumerate(stream) if isinstance(c, WeightPass))
+            assert sum(isinstance(c, BackwardInputPass) for c in stream[:first_w]) == min(s + 1, m), s
+            assert _peak_live(stream, until=(ds.BackwardPass, WeightPass)) == min(p, m), s
+        else:
+            assert not weights and not any(isinstance(c, BackwardInputPass) for c in stream)
     _replay(streams)
 
 
@@ -90,7 +103,10 @@ def test_the_replay_finds_a_deadlock():
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["parallel.pipeline_schedule=zb-h1", "parallel.pipeline_parallel_size=2"], "zb-h1 is not available yet"),
+    (["parallel.pipeline_schedule=zb-h1", "parallel.pipeline_parallel_size=2", "ds.bf16.enabled=true"],
+     "zb-h1 runs in fp32 and ds_configs/zero1_fp32.json enables bf16"),
+    (["parallel.pipeline_schedule=zb-h1", "parallel.pipeline_parallel_size=2", "train.compile=true"],
+     "the deferred weight gradients cannot run in a compiled block"),
     (["parallel.pipeline_schedule=gpipe"], "needs pipeline stages (pipeline_parallel_size is 1)"),
     (["parallel.pipeline_schedule=interleaved"], "parallel.pipeline_schedule"),
 ])

@@ -68,8 +68,6 @@ class ParallelConfig:
                              f"give the minutes a collective may wait (30 is a good default)")
         check_int("parallel.powersgd_rank", self.powersgd_rank, 1)
         check_int("parallel.powersgd_start_steps", self.powersgd_start_steps, 0)
-        if self.pipeline_schedule == "zb-h1":
-            raise ValueError("parallel.pipeline_schedule zb-h1 is not available yet: use 1f1b or gpipe")
         if self.pipeline_schedule != "1f1b" and self.pipeline_parallel_size == 1:
             raise ValueError(f"parallel.pipeline_schedule {self.pipeline_schedule} needs pipeline stages "
                              f"(pipeline_parallel_size is 1): set pipeline_parallel_size > 1, or drop it")

@@ -13,15 +13,42 @@ forward's), which a backward then differentiates. Under GPipe all forwards come 
 ``install`` keeps each buffer's loss from its forward and hands it back to that buffer's
 backward; the received gradient (one shared ``grad_layer``) is used right after its
 ``RecvGrad``, as in 1F1B. Hand-written because DeepSpeed ships no other training schedule.
+
+``zb-h1`` (Qi et al., 2023, "Zero Bubble Pipeline Parallelism") splits each backward of stages
+1..p-1 into B (``BackwardInputPass``: the input gradient, sent upstream at once, and the weight
+gradients outside the deferrable linears) and W (``WeightPass``: the linears' weight gradients,
+``model/parallel/weight_grad.py``). Stage s runs 1F1B's warm-up of p - s - 1 forwards, then
+rounds of one forward and one B, and starts its W's only after s B's: the s held back fill the
+cool-down, where 1F1B's stage waits for gradients. The bubble shrinks from (p - 1)(F + B + W)
+to (p - 1)(F + B - W) per step (the paper's figure) while at most min(p - s, m) micro-batches
+are between their forward and their B, as in 1F1B; W's inputs of up to s more stay held.
+Stage 0 runs plain backwards: nobody waits for its input gradient. In a round the stage
+receives its gradient before it sends its activation (RecvGrad before SendActivation), the
+order in which neighbouring stages' blocking sends and receives match.
+
+``install(..., timeline=[])`` records every executed instruction as ``(name, buffer_id, start,
+end)`` in host seconds (``time.perf_counter``; CPU runs: the instruction's own time; on a GPU,
+only its launch), which ``benchmarks/pipeline_schedules.py`` and the schedule tests read.
 """
 
 from __future__ import annotations
 
+import time
 from types import MethodType
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-SCHEDULES = ("1f1b", "gpipe")
+from model.parallel import weight_grad
+
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+
+
+class BackwardInputPass(ds_schedule.BufferOpInstruction):
+    """B: the backward of ``buffer_id`` with the deferrable weight gradients queued."""
+
+
+class WeightPass(ds_schedule.BufferOpInstruction):
+    """W: the queued weight gradients of the oldest B (``buffer_id``'s micro-batch)."""
 
 
 class GPipeSchedule(ds_schedule.PipeSchedule):
@@ -55,32 +82,105 @@ class GPipeSchedule(ds_schedule.PipeSchedule):
         return max(2, self.micro_batches)
 
 
+class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
+    """ZB-H1 (see the module docstring): 1F1B's order with each backward of stages 1..p-1 split
+    into B and W, stage s holding its first s W's back; the gradient reductions and the
+    optimizer step after the last W."""
+
+    def order(self) -> list[list[tuple[str, int]]]:
+        """The stage's steps as (pass, micro-batch) pairs: "F", "B" (a plain backward on stage
+        0) and "W"."""
+        m, s = self.micro_batches, self.stage_id
+        warm = min(self.stages - s - 1, m)
+        steps = [[("F", i)] for i in range(warm)]
+        f, b, w = warm, 0, 0
+        while b < m:
+            step = [("F", f)] if f < m else []
+            f += len(step)
+            step.append(("B", b))
+            b += 1
+            if s > 0 and b > s:
+                step.append(("W", w))
+                w += 1
+            steps.append(step)
+        steps += [[("W", i)] for i in range(w, m)] if s > 0 else []
+        return steps
+
+    def steps(self):
+        first, last = self.stage_id == 0, self.stage_id == self.stages - 1
+        order = self.order()
+        for n, step in enumerate(order):
+            cmds = []
+            passes = dict(step)
+            if "F" in passes:
+                buf = self._buffer_idx(passes["F"])
+                cmds += [] if first else [ds_schedule.RecvActivation(buf)]
+                cmds += [ds_schedule.LoadMicroBatch(buf)] if first or last else []
+                cmds.append(ds_schedule.ForwardPass(buf))
+            if "B" in passes:
+                buf = self._buffer_idx(passes["B"])
+                cmds += [] if last else [ds_schedule.RecvGrad(buf)]
+            if "F" in passes and not last:      # after the RecvGrad: the neighbours' order
+                cmds.append(ds_schedule.SendActivation(self._buffer_idx(passes["F"])))
+            if "B" in passes:
+                buf = self._buffer_idx(passes["B"])
+                cmds.append(ds_schedule.BackwardPass(buf) if first else BackwardInputPass(buf))
+                cmds += [] if first else [ds_schedule.SendGrad(buf)]
+            if "W" in passes:
+                cmds.append(WeightPass(self._buffer_idx(passes["W"])))
+            if n == len(order) - 1:
+                cmds += [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+            yield cmds
+
+    def num_pipe_buffers(self) -> int:
+        return max(2, min(self.stages - self.stage_id, self.micro_batches))
+
+
 def schedule_for(name: str, micro_batches: int, stages: int, stage_id: int) -> ds_schedule.PipeSchedule:
     """The training schedule ``name`` for one stage."""
-    cls = {"1f1b": ds_schedule.TrainSchedule, "gpipe": GPipeSchedule}[name]
+    cls = {"1f1b": ds_schedule.TrainSchedule, "gpipe": GPipeSchedule, "zb-h1": ZeroBubbleH1Schedule}[name]
     return cls(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
 
 
-def install(engine, name: str) -> None:
-    """Make ``engine.train_batch`` (a ``PipelineEngine``) run schedule ``name``."""
-    if name == "1f1b":
-        return
-    engine._train_schedule = MethodType(
-        lambda self: schedule_for(name, self.micro_batches, self.num_stages, self.stage_id), engine)
-    # One loss per buffer on the last stage (see the module docstring).
+def install(engine, name: str, timeline: list | None = None) -> None:
+    """Make ``engine.train_batch`` (a ``PipelineEngine``) run schedule ``name``; with
+    ``timeline``, record each executed instruction there (see the module docstring)."""
+    weight_grad.STORE.configure(enabled=name == "zb-h1", reduce=engine.module.grad_sync.summed)
     table = dict(engine._INSTRUCTION_MAP)
-    forward, backward = table[ds_schedule.ForwardPass], table[ds_schedule.BackwardPass]
-    losses: dict[int, object] = {}
+    if name != "1f1b":
+        engine._train_schedule = MethodType(
+            lambda self: schedule_for(name, self.micro_batches, self.num_stages, self.stage_id), engine)
+        # One loss per buffer on the last stage (see the module docstring).
+        forward, backward = table[ds_schedule.ForwardPass], table[ds_schedule.BackwardPass]
+        losses: dict[int, object] = {}
 
-    def forward_pass(self, buffer_id):
-        forward(self, buffer_id)
-        if self.is_last_stage() and self.module.training:     # not eval_batch's forwards
-            losses[buffer_id] = self.loss
+        def forward_pass(self, buffer_id):
+            forward(self, buffer_id)
+            if self.is_last_stage() and self.module.training:     # not eval_batch's forwards
+                losses[buffer_id] = self.loss
 
-    def backward_pass(self, buffer_id):
-        if self.is_last_stage():
-            self.loss = losses.pop(buffer_id)
-        backward(self, buffer_id)
+        def backward_pass(self, buffer_id):
+            if self.is_last_stage():
+                self.loss = losses.pop(buffer_id)
+            backward(self, buffer_id)
 
-    table[ds_schedule.ForwardPass], table[ds_schedule.BackwardPass] = forward_pass, backward_pass
+        def backward_input_pass(self, buffer_id):
+            with weight_grad.STORE.deferring():
+                backward_pass(self, buffer_id)
+
+        def weight_pass(self, buffer_id):
+            weight_grad.STORE.run_oldest()
+
+        table[ds_schedule.ForwardPass], table[ds_schedule.BackwardPass] = forward_pass, backward_pass
+        table[BackwardInputPass], table[WeightPass] = backward_input_pass, weight_pass
+    if timeline is not None:
+        table = {cls: _timed(fn, cls.__name__, timeline) for cls, fn in table.items()}
     engine._INSTRUCTION_MAP = table
+
+
+def _timed(fn, name: str, timeline: list):
+    def timed(self, **kwargs):
+        start = time.perf_counter()
+        fn(self, **kwargs)
+        timeline.append((name, kwargs.get("buffer_id"), start, time.perf_counter()))
+    return timed

@@ -62,6 +62,7 @@ def prepare(args: argparse.Namespace, outputs: bool = True) -> Plan:
     exchange_node_size(recipe)                         # the hierarchical exchange's nodes
     check_backend(recipe)
     check_precision(ds, args.config)
+    check_pipeline_schedule(recipe, ds, args.config)
     check_data_source(recipe)
     init_from = check_init_from(args.init_from, recipe)
     run_dir = Path(args.run_dir) if args.run_dir else recipe.default_run_dir
@@ -103,6 +104,26 @@ def check_precision(ds: dict, config_path: str | None) -> None:
         raise ValueError(f"fp16.enabled: {config_path or 'the DeepSpeed JSON'} asks for fp16, which "
                          f"needs a GPU, and this machine has none: use bf16 or fp32 on a CPU "
                          f"(e.g. ds_configs/zero2.json or ds_configs/zero2_fp32.json)")
+
+
+def check_pipeline_schedule(recipe: Recipe, ds: dict, config_path: str | None) -> None:
+    """ZB-H1's deferred weight gradients (``training/engine/pipe_schedules.py``) land in
+    ``.grad`` after the backward that DeepSpeed's bf16 and fp16 optimizers follow at once with
+    their move of the gradients into fp32; and its autograd functions read the B / W switch,
+    which a compiled block cannot. Both refused before the start."""
+    if recipe.parallel.pipeline_schedule != "zb-h1":
+        return
+    half = [k for k in ("fp16", "bf16", "bfloat16") if (ds.get(k) or {}).get("enabled")]
+    if half:
+        where = config_path or "the DeepSpeed JSON"
+        raise ValueError(f"parallel.pipeline_schedule zb-h1 runs in fp32 and {where} enables "
+                         f"{half[0]}: DeepSpeed's {half[0]} optimizer moves "
+                         f"each micro-batch's gradients before a deferred weight gradient lands; use "
+                         f"an fp32 config (e.g. ds_configs/zero1_fp32.json), or 1f1b / gpipe")
+    if recipe.train.compile:
+        raise ValueError("parallel.pipeline_schedule zb-h1 and train.compile: the deferred weight "
+                         "gradients cannot run in a compiled block; set train.compile=false, or "
+                         "use 1f1b / gpipe")
 
 
 def check_data_source(recipe: Recipe) -> None:
