@@ -1,30 +1,27 @@
-"""GPipe vs 1F1B pipeline schedules on CPU: bubble fraction and in-flight activation memory.
+"""Pipeline schedules through the trainer: 1F1B, GPipe and ZB-H1 on DeepSpeed's engine, measured
+per instruction, side by side in one run.
 
-Hardware: any CPU with 2 free cores (docs/PERFORMANCE.md figures: a shared 2-core CPU).
-Launch:   python benchmarks/pipeline_schedules.py                 # p=2, m in 2,4,8; ~1 min
-          python benchmarks/pipeline_schedules.py --micro-batches 2 4 8 16 --json sched.json
+Hardware: any CPU (docs/PERFORMANCE.md: the 2-core machine named there).
+Launch:   OMP_NUM_THREADS=1 python benchmarks/pipeline_schedules.py            # p 2 4, m 4 8; ~6 min
+          python benchmarks/pipeline_schedules.py --stages 2 --micro-batches 4 --steps 3 --json r.json
 
-Two gloo ranks on 127.0.0.1 each hold one stage of the same dense transformer, built from the
-pipeline layers the trainer uses (``training/engine/pipeline.py``: stage 0 = embedding + half the blocks,
-stage 1 = the other half + norm + head + loss; stage I/O ``(hidden, aux_sum, z_sum)``). One
-harness runs both schedules as instruction streams with plain blocking send/recv
-(``model/parallel/p2p.py``):
+Each (p, m, schedule) is one ``launch/train.py`` run under torchrun on p gloo ranks (one
+pipeline stage each, ``parallel.pipeline_schedule``), fp32 ZeRO-1, a dense model of
+``--layers`` blocks split evenly, m micro-batches per step (DeepSpeed's
+``gradient_accumulation_steps``). Each rank is this script (``--rank-out``): the trainer's own
+``main``, with ``pipe_schedules.install``'s timeline on (every executed instruction's host time)
+and an account of the activation bytes it holds (every tensor autograd saves for backward,
+counted once per storage, parameters excluded, from its forward until its graph is freed, plus
+the inputs ZB-H1's W queue holds until its W), sampled after every instruction.
 
-- 1F1B: DeepSpeed's own ``TrainSchedule`` (``deepspeed.runtime.pipe.schedule``, what
-  ``engine.train_batch`` executes), instruction for instruction.
-- GPipe: every forward (micro-batches 0..m-1), then every backward (m-1..0), written with the same
-  instruction classes. DeepSpeed has no GPipe schedule.
-
-Measured per stage and step (median over steps, and at the fastest step, the one least disturbed
-by other processes): the bubble fraction, ``1 - busy / step time``, where busy is the wall time
-inside that stage's forward and backward computations and the step time runs from a common
-barrier to the last computation of any stage; the analytic value for
-equal stages is ``(p-1)/(m+p-1)`` for both schedules, and ``model`` is the same count with each
-stage's measured forward and backward times (unequal stages, free communication). Activation
-memory: every tensor that autograd saves for backward (its storage counted once per micro-batch,
-parameters excluded) is held from that micro-batch's forward until its backward; the peak of the
-sum over in-flight micro-batches, and the most micro-batches in flight (1F1B: at most p - stage;
-GPipe: m).
+Printed per stage, over the steps after the first: the busy time (forward, backward, B and W
+instructions), the idle fraction ``1 - busy / step`` where the step runs from the first
+instruction of any stage to the last of any stage, the same fraction replayed from the
+executed instruction streams with this run's median instruction times and free
+communication (``replay``: what the schedule alone does, without the other processes this
+machine runs meanwhile), the formula ((p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(3m+p-1) for
+ZB-H1, the paper's figure with forward, input-gradient and weight-gradient passes of equal
+time), the peak activation bytes, and tokens per second.
 """
 
 from __future__ import annotations
@@ -32,244 +29,252 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
+from collections import defaultdict
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from deepspeed.runtime.pipe import schedule as ds_schedule  # noqa: E402
-
-from training.engine.pipeline import BlockPipe, EmbeddingPipe, HeadPipe, PipelineLoss  # noqa: E402
-from model.config import DenseConfig  # noqa: E402
-from model.parallel import p2p  # noqa: E402
-from model.parallel.groups import ParallelGroups  # noqa: E402
-from tests.distributed import free_port  # noqa: E402
-
-STAGES = 2
+REPO = Path(__file__).resolve().parents[1]
+SCHEDULES = ("1f1b", "gpipe", "zb-h1")
+COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "WeightPass")
+SENDS = {"SendActivation": ("act", +1), "SendGrad": ("grad", -1)}
+RECVS = {"RecvActivation": ("act", -1), "RecvGrad": ("grad", +1)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[2, 4, 8], help="m values")
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="p values")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], help="m values")
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks, split evenly")
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per (schedule, m)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per (schedule, m)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8, help="transformer blocks, split evenly")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first untimed)")
     p.add_argument("--json", default=None, help="write the result rows to this file")
+    p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)   # as a torchrun rank
     return p.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- schedules
+# ----------------------------------------------------------------------------- one rank
 
-def gpipe_steps(micro_batches: int, stages: int, stage_id: int):
-    """GPipe as DeepSpeed instructions: all forwards, then all backwards (last first)."""
-    first, last = stage_id == 0, stage_id == stages - 1
-    for i in range(micro_batches):
-        yield ([] if first else [ds_schedule.RecvActivation(i)]) + \
-              ([ds_schedule.LoadMicroBatch(i)] if first or last else []) + \
-              [ds_schedule.ForwardPass(i)] + ([] if last else [ds_schedule.SendActivation(i)])
-    for i in reversed(range(micro_batches)):
-        yield ([] if last else [ds_schedule.RecvGrad(i)]) + [ds_schedule.BackwardPass(i)] + \
-              ([] if first else [ds_schedule.SendGrad(i)])
+def _rank_main(out: str, train_argv: list[str]) -> None:
+    """The trainer's ``main`` on this rank, recording its pipeline instructions and activation
+    bytes into ``out`` (JSON) before it exits."""
+    import torch
 
+    from launch import train
+    from model.parallel import weight_grad
+    from training.engine import pipe_schedules
+    from training.run.distributed import exit_now
 
-def one_f_one_b_steps(micro_batches: int, stages: int, stage_id: int):
-    """DeepSpeed's synchronous 1F1B ``TrainSchedule``, unchanged."""
-    return ds_schedule.TrainSchedule(micro_batches=micro_batches, stages=stages,
-                                     stage_id=stage_id).steps()
+    timeline, samples, live, params = [], [], {}, set()
 
+    class Held:     # one saved tensor: its storage counted while autograd keeps it
+        __slots__ = ("key", "tensor")
 
-SCHEDULES = {"gpipe": gpipe_steps, "1f1b": one_f_one_b_steps}
+        def __init__(self, tensor):
+            # detached: a saved output would otherwise hold its own grad_fn (a cycle, freed late)
+            self.tensor, self.key = tensor.detach(), tensor.untyped_storage().data_ptr()
+            if self.key not in params:
+                count, size = live.get(self.key, (0, tensor.untyped_storage().nbytes()))
+                live[self.key] = (count + 1, size)
 
+        def __del__(self):
+            if self.key in live:
+                count, size = live[self.key]
+                live[self.key] = (count - 1, size)
+                if count == 1:
+                    del live[self.key]
 
-# ----------------------------------------------------------------------------- one stage
+    def held_bytes() -> int:
+        sizes = {k: s for k, (_, s) in live.items()}
+        for entry in weight_grad.STORE._queue:          # W's inputs, until the W
+            for _, compute in entry:
+                for cell in compute.__closure__ or ():
+                    t = cell.cell_contents
+                    if isinstance(t, torch.Tensor):
+                        key = t.untyped_storage().data_ptr()
+                        if key not in params:
+                            sizes[key] = t.untyped_storage().nbytes()
+        return sum(sizes.values())
 
-class Stage:
-    """This rank's layers, and an executor of pipeline instructions with activation accounting."""
+    install = pipe_schedules.install
 
-    def __init__(self, args, rank: int):
-        cfg = DenseConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                          num_heads=4, num_kv_heads=4, ffn_hidden_size=4 * args.hidden,
-                          max_seq_len=args.seq_len)
-        groups, half = ParallelGroups(), args.layers // 2
-        self.rank, self.first, self.last = rank, rank == 0, rank == STAGES - 1
-        blocks = range(half) if self.first else range(half, args.layers)
-        layers = [EmbeddingPipe(cfg, groups, 0)] if self.first else []
-        layers += [BlockPipe(cfg, i, groups, 0) for i in blocks]
-        layers += [] if self.first else [HeadPipe(cfg, groups, 0)]
-        self.layers = torch.nn.Sequential(*layers)
-        self.loss_fn = PipelineLoss(cfg, groups)
-        self.loss_fn.ce_scale = 1.0 / (args.micro_batch_size * args.seq_len)
-        shape = (args.micro_batch_size, args.seq_len)
-        self.act_like = (torch.empty(*shape, args.hidden), torch.empty(()), torch.empty(()))
-        self.shape, self.vocab = shape, args.vocab
-        self.param_storages = {p.untyped_storage().data_ptr() for p in self.layers.parameters()}
+    def recording_install(engine, name, timeline_=None):
+        install(engine, name, timeline)
+        params.update(p.untyped_storage().data_ptr() for p in engine.module.parameters())
 
-    def batch(self, i: int):
-        gen = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, self.vocab, self.shape, generator=gen)
-        return ids, torch.roll(ids, -1, dims=1)
+        def sampled(fn):
+            def run(self, **kwargs):
+                fn(self, **kwargs)
+                samples.append(held_bytes())
+            return run
+        engine._INSTRUCTION_MAP = {c: sampled(f) for c, f in engine._INSTRUCTION_MAP.items()}
 
-    def run(self, steps) -> dict:
-        """Execute one step's instruction stream; return compute intervals and memory peaks."""
-        buf: dict[int, dict] = {}
-        live: dict[int, int] = {}                # buffer id -> saved activation bytes
-        seen: dict[int, set] = {}
-        busy, peak, peak_live, loaded = [], 0, 0, 0
-        for cmds in steps:
-            for cmd in cmds:
-                b = getattr(cmd, "buffer_id", None)
-                kind = type(cmd).__name__
-                if kind == "LoadMicroBatch":
-                    ids, labels = self.batch(loaded)
-                    loaded += 1
-                    buf.setdefault(b, {}).update(ids=ids, labels=labels)
-                elif kind == "RecvActivation":
-                    x = p2p.recv_tensors(self.act_like, self.rank - 1)
-                    buf.setdefault(b, {})["inputs"] = tuple(t.requires_grad_() for t in x)
-                elif kind == "ForwardPass":
-                    live[b], seen[b] = 0, set()
-
-                    def pack(t, b=b):
-                        s = t.untyped_storage()
-                        if s.data_ptr() not in self.param_storages and s.data_ptr() not in seen[b]:
-                            seen[b].add(s.data_ptr())
-                            live[b] += s.nbytes()
-                        return t
-                    t0 = time.perf_counter()
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        out = self.layers(buf[b]["ids"] if self.first else buf[b]["inputs"])
-                        if self.last:
-                            out = self.loss_fn(out, buf[b]["labels"])
-                    busy.append(("F", t0, time.perf_counter()))
-                    buf[b]["outputs"] = out
-                    peak = max(peak, sum(live.values()))
-                    peak_live = max(peak_live, len(live))
-                elif kind == "SendActivation":
-                    p2p.send_tensors(buf[b]["outputs"], self.rank + 1)
-                elif kind == "RecvGrad":
-                    buf[b]["grads"] = p2p.recv_tensors(self.act_like, self.rank + 1)
-                elif kind == "BackwardPass":
-                    t0 = time.perf_counter()
-                    if self.last:
-                        buf[b]["outputs"].backward()
-                    else:
-                        torch.autograd.backward(buf[b]["outputs"], buf[b]["grads"])
-                    busy.append(("B", t0, time.perf_counter()))
-                    del live[b]                  # the graph, and what it saved, is freed
-                    buf[b].pop("outputs")
-                elif kind == "SendGrad":
-                    p2p.send_tensors(tuple(t.grad for t in buf.pop(b)["inputs"]), self.rank - 1)
-                # ReduceTiedGrads / ReduceGrads / OptimizerStep: nothing to reduce or step here.
-        self.layers.zero_grad(set_to_none=True)
-        return {"busy": busy, "peak_bytes": peak, "peak_in_flight": peak_live}
+    pipe_schedules.install = recording_install
+    with torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.tensor):
+        code = train.main(train_argv)
+    with open(out, "w") as f:
+        json.dump({"rank": int(os.environ["RANK"]), "timeline": timeline, "samples": samples}, f)
+    exit_now(code)
 
 
-def _worker(rank: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
-    stage = Stage(args, rank)
-    rows = []
-    for m in args.micro_batches:
-        for rep in range(args.warmup + args.steps):
-            for name, steps_fn in SCHEDULES.items():     # interleaved: noise hits both alike
-                dist.barrier()
-                start = time.perf_counter()
-                got = stage.run(steps_fn(m, STAGES, rank))
-                if rep >= args.warmup:
-                    rows.append({"schedule": name, "m": m, "stage": rank, "start": start, **got})
-    queue.put((rank, rows))
-    dist.barrier()
-    dist.destroy_process_group()
+# ----------------------------------------------------------------------------- analysis
+
+def split_steps(timeline: list) -> list[list]:
+    """One stage's timeline cut at each OptimizerStep (one optimizer step each)."""
+    steps, current = [], []
+    for entry in timeline:
+        current.append(entry)
+        if entry[0] == "OptimizerStep":
+            steps.append(current)
+            current = []
+    return steps
+
+
+def replay(streams: list[list[str]], times: list[dict[str, float]]) -> tuple[float, list[float]]:
+    """Run the stages' executed instruction names together, each compute instruction taking
+    ``times[stage][name]`` and communication free: a receive waits for the matching send of
+    the neighbour (the n-th of its kind). Returns (makespan, busy seconds per stage)."""
+    p = len(streams)
+    clock, pos, busy = [0.0] * p, [0] * p, [0.0] * p
+    sent, received = defaultdict(list), defaultdict(int)
+    while any(pos[s] < len(streams[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while pos[s] < len(streams[s]):
+                name = streams[s][pos[s]]
+                if name in RECVS:
+                    kind, delta = RECVS[name]
+                    key = (kind, s + delta, s)
+                    if len(sent[key]) <= received[key]:
+                        break
+                    clock[s] = max(clock[s], sent[key][received[key]])
+                    received[key] += 1
+                elif name in SENDS:
+                    kind, delta = SENDS[name]
+                    sent[(kind, s, s + delta)].append(clock[s])
+                elif name in COMPUTE:
+                    clock[s] += times[s][name]
+                    busy[s] += times[s][name]
+                pos[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"replay deadlocked at {[streams[s][pos[s]:pos[s] + 1] for s in range(p)]}")
+    return max(clock), busy
+
+
+def formula(name: str, p: int, m: int) -> float:
+    """The bubble fraction of equal stages: (p-1)/(m+p-1) (1F1B, GPipe); ZB-H1's (p-1)(F+B-W)
+    over m(F+B+W) + (p-1)(F+B-W), with F = B = W: (p-1)/(3m+p-1)."""
+    return (p - 1) / (3 * m + p - 1) if name == "zb-h1" else (p - 1) / (m + p - 1)
 
 
 def schedule_model_step(work: list[float], micro_batches: int) -> float:
-    """Step time of a synchronous pipeline with free communication, ``work[s]`` one micro-batch's
-    forward + backward on stage s: the slowest stage paces the m - 1 steady micro-batches, and
-    every stage's work fills the ramp up and down (``planning.cost_model.pipeline_seconds``)."""
+    """Step time of a synchronous 1F1B or GPipe pipeline with free communication, ``work[s]``
+    one micro-batch's forward + backward on stage s: the slowest stage paces the m - 1 steady
+    micro-batches, and every stage's work fills the ramp up and down
+    (``planning.cost_model.pipeline_seconds``)."""
     return (micro_batches - 1) * max(work) + sum(work)
 
 
-def summarize(rows: list[dict], args) -> list[dict]:
-    """Per (schedule, m, stage): median bubble fraction and busy share, memory peaks."""
-    by_step: dict[tuple, list] = {}
-    for r in rows:      # the k-th timed step of (schedule, m) on each stage
-        key = (r["schedule"], r["m"])
-        by_step.setdefault(key, []).append(r)
-    out = []
-    for (name, m), rs in by_step.items():
-        per_stage = {s: [r for r in rs if r["stage"] == s] for s in range(STAGES)}
-        bubbles = {s: [] for s in range(STAGES)}
-        step_times = []
-        for k in range(args.steps):
-            step = [per_stage[s][k] for s in range(STAGES)]
-            start = min(r["start"] for r in step)
-            end = max(r["busy"][-1][2] for r in step)
-            step_times.append(end - start)
-            for s, r in enumerate(step):
-                busy = sum(b - a for _, a, b in r["busy"])
-                bubbles[s].append(1 - busy / (end - start))
-        ms = [{k: 1e3 * statistics.median(b - a for r in per_stage[s] for kind, a, b in r["busy"]
-                                          if kind == k) for k in "FB"} for s in range(STAGES)]
-        # Zero-cost communication, each micro-batch taking this stage's median F + B.
-        work = [t["F"] + t["B"] for t in ms]
-        model_step = schedule_model_step(work, m)
-        fastest = step_times.index(min(step_times))   # the step least disturbed by other load
-        for s in range(STAGES):
-            r0 = per_stage[s][0]
-            out.append({"schedule": name, "m": m, "stage": s,
-                        "bubble": statistics.median(bubbles[s]),
-                        "bubble_fastest": bubbles[s][fastest], "fastest_step_s": min(step_times),
-                        "bubble_model": 1 - m * work[s] / model_step,
-                        "forward_ms": ms[s]["F"], "backward_ms": ms[s]["B"],
-                        "analytic": (STAGES - 1) / (m + STAGES - 1),
-                        "step_s": statistics.median(step_times),
-                        "peak_act_mb": r0["peak_bytes"] / 2**20,
-                        "peak_in_flight": r0["peak_in_flight"]})
-    return out
+def summarize(name: str, p: int, m: int, ranks: list[dict], tokens_per_step: int) -> list[dict]:
+    """Per stage of one run: busy, idle fraction measured and replayed, peak bytes, tokens/s."""
+    per_stage = [split_steps(r["timeline"])[1:] for r in sorted(ranks, key=lambda r: r["rank"])]
+    n = min(len(s) for s in per_stage)
+    windows = [(min(per_stage[s][k][0][2] for s in range(p)), max(per_stage[s][k][-1][3] for s in range(p)))
+               for k in range(n)]
+    step_s = statistics.median(b - a for a, b in windows)
+    times = [{c: statistics.median([e[3] - e[2] for st in steps for e in st if e[0] == c] or [0.0])
+              for c in COMPUTE} for steps in per_stage]
+    streams = [[e[0] for e in steps[0]] for steps in per_stage]
+    makespan, replay_busy = replay(streams, times)
+    rows = []
+    for s, steps in enumerate(per_stage):
+        busy = [sum(e[3] - e[2] for e in st if e[0] in COMPUTE) for st in steps[:n]]
+        idle = [1 - b / (w[1] - w[0]) for b, w in zip(busy, windows)]
+        rows.append({"schedule": name, "p": p, "m": m, "stage": s,
+                     "busy_ms": 1e3 * statistics.median(busy), "step_ms": 1e3 * step_s,
+                     "idle": statistics.median(idle), "idle_replay": 1 - replay_busy[s] / makespan,
+                     "formula": formula(name, p, m),
+                     "forward_ms": 1e3 * times[s]["ForwardPass"],
+                     "backward_ms": 1e3 * (times[s]["BackwardPass"] or times[s]["BackwardInputPass"]),
+                     "weight_ms": 1e3 * times[s]["WeightPass"],
+                     "peak_act_mib": max(ranks[s]["samples"] or [0]) / 2**20,
+                     "tokens_per_s": tokens_per_step / step_s,
+                     "stream": streams[s]})
+    return rows
+
+
+# ----------------------------------------------------------------------------- the runs
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(args, name: str, p: int, m: int, work: Path) -> list[dict]:
+    tag = f"{name}-p{p}-m{m}"
+    out = work / tag
+    train_argv = ["--config", "ds_configs/zero1_fp32.json", "--recipe", "recipes/tiny_dense.yaml",
+                  "--run-dir", str(out / "run"), "--steps", str(args.steps), "--set",
+                  f"parallel.pipeline_parallel_size={p}", f"parallel.pipeline_schedule={name}",
+                  f"ds.gradient_accumulation_steps={m}",
+                  f"ds.train_micro_batch_size_per_gpu={args.micro_batch_size}",
+                  f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={4 * args.hidden}",
+                  f"model.num_layers={args.layers}", f"model.max_seq_len={args.seq_len}",
+                  f"data.seq_len={args.seq_len}", "eval.every=0", f"train.save_every={args.steps * 10}",
+                  f"train.log_every={args.steps}", "data.max_bytes=1500000", "tokenizer.train_bytes=1500000"]
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(p), "--master_port",
+           str(_port()), str(Path(__file__).resolve()), "--rank-out", str(out / "rank{}.json"), "--",
+           *train_argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=str(REPO))
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tag} exited {proc.returncode}: {(out / 'log.txt').read_text()[-3000:]}")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(p)]
+    return summarize(name, p, m, ranks, m * args.micro_batch_size * args.seq_len)
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--rank-out" in argv:            # a torchrun rank: the trainer's own arguments after "--"
+        split = argv.index("--")
+        out = parse_args(argv[:split]).rank_out.format(os.environ["RANK"])
+        _rank_main(out, argv[split + 1:])
     args = parse_args(argv)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(STAGES)]
-    for p in procs:
-        p.start()
     rows = []
-    for _ in procs:
-        rows += queue.get()[1]
-    for p in procs:
-        p.join()
-    table = summarize(rows, args)
-    print(f"p={STAGES} stages, micro-batch {args.micro_batch_size} x {args.seq_len} tokens, "
-          f"hidden {args.hidden}, {args.layers} blocks; median of {args.steps} steps "
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in args.stages:
+            for m in args.micro_batches:
+                for name in args.schedules:
+                    rows += run_one(args, name, p, m, Path(tmp))
+                    print(f"  ran {name} p={p} m={m}", file=sys.stderr, flush=True)
+    print(f"dense, {args.layers} blocks, hidden {args.hidden}, micro-batch {args.micro_batch_size} x "
+          f"{args.seq_len} tokens, fp32 ZeRO-1, gloo; median of steps 2-{args.steps} "
           f"(load average {os.getloadavg()[0]:.1f} at the end)")
-    print(f"{'schedule':>8} {'m':>3} {'stage':>5} {'bubble':>7} {'fastest':>7} "
-          f"{'(p-1)/(m+p-1)':>14} {'model':>6} "
-          f"{'step s':>7} {'F ms':>6} {'B ms':>6} {'peak act MiB':>13} {'in flight':>9}")
-    for r in sorted(table, key=lambda r: (r["m"], r["schedule"] != "gpipe", r["stage"])):
-        print(f"{r['schedule']:>8} {r['m']:>3} {r['stage']:>5} {r['bubble']:>7.3f} "
-              f"{r['bubble_fastest']:>7.3f} "
-              f"{r['analytic']:>14.3f} {r['bubble_model']:>6.3f} {r['step_s']:>7.3f} "
-              f"{r['forward_ms']:>6.1f} "
-              f"{r['backward_ms']:>6.1f} {r['peak_act_mb']:>13.1f} "
-              f"{r['peak_in_flight']:>9}")
+    print(f"{'schedule':>8} {'p':>2} {'m':>2} {'stage':>5} {'busy ms':>8} {'step ms':>8} {'idle':>6} "
+          f"{'replay':>6} {'formula':>7} {'F ms':>6} {'B ms':>6} {'W ms':>6} {'peak act MiB':>12} "
+          f"{'tokens/s':>8}")
+    for r in rows:
+        print(f"{r['schedule']:>8} {r['p']:>2} {r['m']:>2} {r['stage']:>5} {r['busy_ms']:>8.1f} "
+              f"{r['step_ms']:>8.1f} {r['idle']:>6.3f} {r['idle_replay']:>6.3f} {r['formula']:>7.3f} "
+              f"{r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} {r['weight_ms']:>6.1f} "
+              f"{r['peak_act_mib']:>12.2f} {r['tokens_per_s']:>8.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": table}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "rank_out"}, "rows": rows}, f, indent=1)
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -97,6 +97,7 @@ class Layout:
     etp: int | None = None          # experts' tensor parallelism (None: tp, as this trainer)
     pp: int = 1
     vpp: int = 1                    # virtual stages per pipeline rank (interleaved 1F1B)
+    schedule: str = "1f1b"          # pipeline schedule: 1f1b | gpipe (same bubble) | zb-h1
     zero_stage: int = 1             # 0-3; FSDP is 3; Megatron's distributed optimizer is 1
     recompute: str = "none"         # a ``Recompute`` name
     ep_splits_batch: bool = False   # this trainer: ep ranks split a micro-batch (see module doc)
@@ -136,6 +137,9 @@ class Layout:
 
     def check(self, shape: Shape) -> None:
         """Raises ValueError naming the degree that does not fit."""
+        if self.schedule not in ("1f1b", "gpipe", "zb-h1") or (self.schedule != "1f1b" and self.vpp > 1):
+            raise ValueError(f"pipeline schedule {self.schedule!r} (vpp {self.vpp}): one of 1f1b, "
+                             f"gpipe, zb-h1, and only 1f1b interleaves virtual stages")
         per = self.tp * self.cp * self.pp * (self.ep if self.ep_splits_batch else 1)
         if self.world % per:
             raise ValueError(f"world {self.world} is not a multiple of tp x cp x pp"

@@ -107,17 +107,26 @@ class StepCost:
                 "breakdown": self.breakdown, "volumes": self.volumes}
 
 
-def pipeline_seconds(stage_work: list[float], micro_batches: int, vpp: int = 1) -> float:
+# ZB-H1's ramp over 1F1B's: (F + B - W) / (F + B + W) with a linear layer's three equal matmuls
+# (forward, input gradient, weight gradient), Qi et al. 2023 (training/engine/pipe_schedules.py).
+ZB_H1_RAMP = 1 / 3
+
+
+def pipeline_seconds(stage_work: list[float], micro_batches: int, vpp: int = 1,
+                     schedule: str = "1f1b") -> float:
     """Makespan of a synchronous 1F1B step with free communication: the slowest stage paces the
     m - 1 steady micro-batches, and every stage's work fills the ramp up and down (the model of
     ``benchmarks/pipeline_schedules.py``); interleaving v virtual stages per rank divides the
     ramp by v (Megatron, arXiv:2104.04473 sec. 2.2.2: bubble (p-1)/(v m)). Exact for equal
     stages; with a slower stage before a faster one it is an upper bound (DeepSpeed's schedule
-    then overlaps part of the ramp: ``tests/planning/test_cost_model.py`` pins a case)."""
+    then overlaps part of the ramp: ``tests/planning/test_cost_model.py`` pins a case). GPipe
+    has 1F1B's makespan; ZB-H1 fills the ramp with deferred weight gradients, leaving
+    ``ZB_H1_RAMP`` of it idle."""
     if len(stage_work) == 1:
         return micro_batches * stage_work[0]
     slowest = max(stage_work)
-    return (micro_batches - 1) * slowest + slowest + (sum(stage_work) - slowest) / vpp
+    ramp = (sum(stage_work) - slowest) / vpp * (ZB_H1_RAMP if schedule == "zb-h1" else 1.0)
+    return (micro_batches - 1) * slowest + slowest + ramp
 
 
 def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
@@ -189,7 +198,7 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
         tp_exposed.append(tp_s)
         ep_exposed.append(ep_s)
     slowest = max(range(pp), key=lambda r: per_stage[r])
-    pipeline = pipeline_seconds(per_stage, m, layout.vpp)
+    pipeline = pipeline_seconds(per_stage, m, layout.vpp, layout.schedule)
     bubble = pipeline - m * per_stage[slowest]
     work, tp_s, ep_s, pp_s = kinds[slowest]
     # Each stage reduces its own gradients and steps its own optimizer after its last backward:

@@ -67,10 +67,11 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown: choose one of {', '.join(GPUS)}")
     spec, cfg, dims = GPUS[gpu], recipe.model, recipe.dims(gpus)
-    layout = mm.Layout(gpus, dims.tp, dims.ep, dims.pp, dims.sp, gpus_per_node)
     ds = validate_ds_config(ds, dims.dp)
     check_layout(ds, dims)
     micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    layout = mm.Layout(gpus, dims.tp, dims.ep, dims.pp, dims.sp, gpus_per_node,
+                       schedule=recipe.parallel.pipeline_schedule, micro_batches=acc)
     stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
     stages = [_stage(recipe, layout, ds, s, micro, on_gpu) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
@@ -139,8 +140,8 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
 def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1.0) -> Layout:
     """The cost model's description of this trainer running ``est``'s layout under JSON ``ds``:
     ep ranks split each micro-batch, PyTorch SDPA's flash kernel (FA2), eager elementwise ops
-    unless ``train.compile`` fuses each block, DeepSpeed's 1F1B without interleaving or
-    overlapped sends, the ep sum of replicated gradients as ``replica_sync_mode`` schedules it,
+    unless ``train.compile`` fuses each block, the recipe's pipeline schedule without
+    interleaving or overlapped sends, the ep sum of replicated gradients as ``replica_sync_mode`` schedules it,
     gradient reduction overlapped with backward when ``overlap_comm`` is on
     (ZeRO-3 prefetches regardless), gradients reduced in the JSON's ``communication_data_type``
     or the training precision, the all-to-all in ``model.moe.dispatch_dtype``; the busiest
@@ -152,6 +153,7 @@ def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1
                   seq_len=est["seq_len"], micro_batch=est["micro_batch"], tp=est["tp"],
                   sp=est["sequence_parallel"], ep=est["ep"], pp=est["pp"],
                   zero_stage=est["zero_stage"], recompute=est["activation_checkpointing"],
+                  schedule=recipe.parallel.pipeline_schedule,
                   ep_splits_batch=True, attention="fa2", fused_elementwise=recipe.train.compile,
                   replica_sync=replica_sync_mode(ds) if est["pp"] == 1 else "micro_batch",
                   overlap_dp=bool(zero.get("overlap_comm")) or est["zero_stage"] == 3,

@@ -39,14 +39,15 @@ def zero_shard_group_size(world: int, tp: int, ep: int, pp: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one rank sits: world size, parallel degrees, node size."""
-
+    """Where one rank sits: world size, parallel degrees, node size, pipeline schedule."""
     world: int
     tp: int = 1
     ep: int = 1
     pp: int = 1
     sp: bool = False            # sequence parallelism: norms' activations split by tp
     gpus_per_node: int = 8
+    schedule: str = "1f1b"      # parallel.pipeline_schedule: 1f1b | gpipe | zb-h1
+    micro_batches: int = 1      # per optimizer step (gradient accumulation): GPipe holds them all
 
     @property
     def dp(self) -> int:
@@ -268,15 +269,11 @@ def logits_transient(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1)
 
 def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, seq_len: int,
                      a: int, policy: str = "none", stage: int = 0) -> dict:
-    """Activation bytes on one rank of pipeline stage ``stage`` at the peak of a step.
-
-    Tokens per rank: the ep ranks split each micro-batch (``zero_shard_group_size``), so a rank
-    sees ``micro_batch * seq_len / ep``. Under 1F1B stage s holds ``pp - s`` micro-batches in
-    flight (pp on stage 0). Checkpointed blocks keep only their input (a h per token) and
-    backward recomputes one block (or sub-layer) at a time for one micro-batch (``recompute``).
-    ``saved`` is what autograd holds at the end of a forward; ``total`` adds the recompute and
-    the transient logits.
-    """
+    """Activation bytes on one rank of pipeline stage ``stage`` at the peak of a step: a rank
+    sees ``micro_batch * seq_len / ep`` tokens (the ep ranks split each micro-batch), and holds
+    the micro-batches in flight of ``layout.schedule`` (below). Checkpointed blocks keep only
+    their input and backward recomputes one block (or sub-layer) at a time (``recompute``).
+    ``saved`` is what autograd holds after a forward; ``total`` adds recompute and logits."""
     tp, sp = layout.tp, layout.sp
     tokens = micro_batch * seq_len / layout.ep
     policy = CheckpointPolicy.parse(policy)
@@ -303,7 +300,10 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
         # dispatched rows, which the dispatch already keeps.
         stored += full - redo + (block_input if redo and policy.name != "experts" else 0.0)
         recompute = max(recompute, redo)
-    in_flight = layout.pp - stage
+    # Micro-batches held (training/engine/pipe_schedules.py): 1F1B pp - stage, GPipe all m; ZB-H1
+    # also W's inputs of `stage` more on stages > 0, priced whole (an upper bound, ~0.8 measured)
+    in_flight = (layout.micro_batches if layout.schedule == "gpipe" and layout.pp > 1 else
+                 layout.pp if layout.schedule == "zb-h1" and stage > 0 else layout.pp - stage)
     out = {"tokens_per_rank": tokens, "in_flight_micro_batches": in_flight,
            "per_block": block_activations(cfg, layers[0], tokens, a, tp, sp),
            "blocks": stored * in_flight, "recompute": recompute, "head": 0.0, "logits_transient": 0.0}

@@ -319,6 +319,18 @@ def test_pipeline_equal_stages_and_interleaving():
     assert cm.pipeline_seconds([t], 8) == 24.0        # no pipeline: m t
 
 
+def test_pipeline_prices_the_schedule():
+    """p 4, m 8, equal stages of t = F + B + W: 1F1B and GPipe (m + p - 1) t = 11 t; ZB-H1
+    fills the ramp with weight gradients, (m + (p - 1)/3) t = 9 t; refusals for an unknown
+    schedule and for interleaving another one."""
+    t = 3.0
+    assert cm.pipeline_seconds([t] * 4, 8) == cm.pipeline_seconds([t] * 4, 8, schedule="gpipe") == 33.0
+    assert cm.pipeline_seconds([t] * 4, 8, schedule="zb-h1") == pytest.approx(27.0)
+    for bad in (dict(schedule="interleaved"), dict(schedule="zb-h1", vpp=2)):
+        with pytest.raises(ValueError, match="only 1f1b interleaves"):
+            cm.Layout(world=8, global_batch=32, seq_len=2048, pp=4, **bad).check(LLAMA)
+
+
 @pytest.mark.parametrize("work", [[1.0, 2.0], [2.0, 1.0], [3.0, 5.0, 2.0, 4.5], [0.25, 0.5, 0.75]])
 @pytest.mark.parametrize("m", [1, 3, 8])
 def test_pipeline_equals_the_schedule_benchmarks_model(work, m):

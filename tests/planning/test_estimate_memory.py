@@ -83,6 +83,23 @@ def test_estimator_reproduces_the_zero_paper_figures():
     assert mm.local_params(recipe.model, mm.Layout(8))["total"] == recipe.model.num_params()
 
 
+def test_the_pipeline_schedule_sets_the_micro_batches_held():
+    """``parallel.pipeline_schedule`` in the estimate (``mm.pipeline_in_flight``): at pp 4 and
+    m 8, 1F1B holds pp - s micro-batches on stage s, GPipe all 8 on every stage, ZB-H1 pp on
+    stages > 0 (its W inputs priced as whole micro-batches); the blocks' bytes scale with it."""
+    ds = {**load_ds_config(str(REPO / "ds_configs" / "zero1.json")), "gradient_accumulation_steps": 8}
+    held, blocks = {}, {}
+    for schedule in ("1f1b", "gpipe", "zb-h1"):
+        recipe = load_recipe(REPO / "recipes" / "dense_1p3b.yaml", [
+            "parallel.pipeline_parallel_size=4", f"parallel.pipeline_schedule={schedule}"])
+        stages = em.estimate(recipe, ds, 8)["stages"]
+        held[schedule] = [st["activations"]["in_flight_micro_batches"] for st in stages]
+        blocks[schedule] = [st["activations"]["blocks"] for st in stages]
+    assert held == {"1f1b": [4, 1], "gpipe": [8, 8], "zb-h1": [4, 4]}, held
+    assert blocks["gpipe"][1] == pytest.approx(8 * blocks["1f1b"][1])
+    assert blocks["zb-h1"][0] == blocks["1f1b"][0]
+
+
 # ---------------------------------------------------------------------------------------------
 # DeepSpeed's per-rank tensors on 2 gloo ranks.
 

@@ -1,15 +1,23 @@
-"""The pipeline schedules' instruction streams (``training/engine/pipe_schedules.py``), replayed in pure
-Python for every stage of p = 2 and 4 stages with m = 4 and 8 micro-batches:
+"""The pipeline schedules (``training/engine/pipe_schedules.py``): 1F1B, GPipe and ZB-H1.
 
-* each stream is complete: every micro-batch's forward and backward once, the optimizer step
-  last, and every send matched by the neighbour's receive;
+Pure Python, for every stage of p = 2 and 4 stages with m = 4 and 8 micro-batches:
+
+* each stream is complete: every micro-batch's forward and backward once (ZB-H1: B, then its W
+  in order, the first s held back on stage s), the optimizer step last, and every send matched
+  by the neighbour's receive;
 * executed together with blocking sends and receives (a send waits for the matching receive),
   the stages of each schedule finish: no deadlock;
-* live activations (a forward's buffer held until its backward): 1F1B holds at most
-  min(p - s, m) on stage s, GPipe m on every stage.
+* live activations (a forward's buffer held until its backward): 1F1B and ZB-H1 hold at most
+  min(p - s, m) on stage s, GPipe m on every stage; ZB-H1's W inputs at most min(p, m);
+* replayed with equal pass times, the bubble is the formula's, exactly.
+
+Through the engine: the benchmark's short run, its executed streams and measured bytes and
+times (``test_the_benchmark_measures_the_engines_schedules``); one-line refusals.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
@@ -116,3 +124,42 @@ def test_a_schedule_that_cannot_run_is_refused_in_one_line(monkeypatch, sets, me
     with pytest.raises(ValueError) as err:
         plan_for("ds_configs/zero1_fp32.json", sets=sets)
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8)])
+def test_replayed_bubbles_equal_the_formulas(p, m):
+    """Each schedule's streams replayed with forward = input gradient = weight gradient = 1
+    (a full backward 2) and free communication: every stage idles exactly (p-1)/(m+p-1) of the
+    step under 1F1B and GPipe, and (p-1)/(3m+p-1) under ZB-H1, the paper's figure."""
+    from benchmarks.pipeline_schedules import formula, replay
+    unit = {"ForwardPass": 1.0, "BackwardPass": 2.0, "BackwardInputPass": 1.0, "WeightPass": 1.0}
+    for name in SCHEDULES:
+        streams = [[type(c).__name__ for c in stream] for stream in _streams(name, m, p)]
+        makespan, busy = replay(streams, [unit] * p)
+        assert [1 - b / makespan for b in busy] == pytest.approx([formula(name, p, m)] * p, rel=1e-12), name
+
+
+def test_the_benchmark_measures_the_engines_schedules(tmp_path):
+    """``benchmarks/pipeline_schedules.py`` at p 2, m 4 (3 steps, three 2-rank trainer runs):
+    the instruction streams the engine executed are the schedules' own; GPipe holds m / (p - s)
+    times 1F1B's activation bytes on stage s (measured bytes: no timing); ZB-H1 ran W's on
+    stage 1 only; and its executed streams, replayed with its own measured instruction times
+    (1F1B's backward = B + W), finish sooner than 1F1B's. Wall-time orderings are the
+    benchmark's table (docs/PERFORMANCE.md), not this test's."""
+    from benchmarks import pipeline_schedules as bench
+    out = tmp_path / "rows.json"
+    assert bench.main(["--stages", "2", "--micro-batches", "4", "--steps", "3", "--json", str(out)]) == 0
+    rows = {(r["schedule"], r["stage"]): r for r in json.loads(out.read_text())["rows"]}
+    p, m = 2, 4
+    for name in SCHEDULES:
+        expected = [[type(c).__name__ for c in stream] for stream in _streams(name, m, p)]
+        assert [rows[(name, s)]["stream"] for s in range(p)] == expected, name
+    for s in range(p):
+        ratio = rows[("gpipe", s)]["peak_act_mib"] / rows[("1f1b", s)]["peak_act_mib"]
+        assert ratio == pytest.approx(m / (p - s), rel=0.05), (s, ratio)
+    assert rows[("zb-h1", 0)]["weight_ms"] == 0 < rows[("zb-h1", 1)]["weight_ms"]
+    times = [{"ForwardPass": r["forward_ms"], "BackwardInputPass": r["backward_ms"], "WeightPass": r["weight_ms"],
+              "BackwardPass": r["backward_ms"] + r["weight_ms"]} for r in (rows[("zb-h1", s)] for s in range(p))]
+    zb, _ = bench.replay([rows[("zb-h1", s)]["stream"] for s in range(p)], times)
+    one_f_one_b, _ = bench.replay([rows[("1f1b", s)]["stream"] for s in range(p)], times)
+    assert zb < one_f_one_b, (zb, one_f_one_b)
