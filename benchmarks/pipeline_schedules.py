@@ -2,7 +2,9 @@
 per instruction, side by side in one run.
 
 Hardware: any CPU (docs/PERFORMANCE.md: the 2-core machine named there).
-Launch:   OMP_NUM_THREADS=1 python benchmarks/pipeline_schedules.py            # p 2 4, m 4 8; ~6 min
+Launch:   OMP_NUM_THREADS=1 python benchmarks/pipeline_schedules.py --json docs/studies/pipeline_schedules.json \
+              --plot docs/studies/img/pipeline_timelines.png      # p 2 4, m 4 8: 12 runs, ~9 min
+          python benchmarks/pipeline_schedules.py --table docs/studies/pipeline_schedules.json   # reprint
           python benchmarks/pipeline_schedules.py --stages 2 --micro-batches 4 --steps 3 --json r.json
 
 Each (p, m, schedule) is one ``launch/train.py`` run under torchrun on p gloo ranks (one
@@ -19,7 +21,9 @@ instructions), the idle fraction ``1 - busy / step`` where the step runs from th
 instruction of any stage to the last of any stage, the same fraction replayed from the
 executed instruction streams with this run's median instruction times and free
 communication (``replay``: what the schedule alone does, without the other processes this
-machine runs meanwhile), the formula ((p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(3m+p-1) for
+machine runs meanwhile), the run's cores in use (its stages' summed busy time over the step:
+at p ranks on fewer cores the stages cannot all compute at once, and the wall clock then shows
+the cores, not the schedule), the formula ((p-1)/(m+p-1) for 1F1B and GPipe, (p-1)/(3m+p-1) for
 ZB-H1, the paper's figure with forward, input-gradient and weight-gradient passes of equal
 time), the peak activation bytes, and tokens per second.
 """
@@ -53,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=8, help="transformer blocks, split evenly")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (the first untimed)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first untimed)")
     p.add_argument("--json", default=None, help="write the result rows to this file")
+    p.add_argument("--plot", default=None, help="write the timelines of the largest p and m to this PNG")
+    p.add_argument("--table", default=None, help="print (and --plot) a saved --json instead of running")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)   # as a torchrun rank
     return p.parse_args(argv)
 
@@ -206,8 +212,39 @@ def summarize(name: str, p: int, m: int, ranks: list[dict], tokens_per_step: int
                      "weight_ms": 1e3 * times[s]["WeightPass"],
                      "peak_act_mib": max(ranks[s]["samples"] or [0]) / 2**20,
                      "tokens_per_s": tokens_per_step / step_s,
-                     "stream": streams[s]})
+                     "stream": streams[s],
+                     # the last timed step's compute, from that step's window start (seconds)
+                     "last_step": [(e[0], e[2] - windows[n - 1][0], e[3] - windows[n - 1][0])
+                                   for e in steps[n - 1] if e[0] in COMPUTE]})
     return rows
+
+
+COLOURS = {"ForwardPass": "#4c72b0", "BackwardPass": "#dd8452", "BackwardInputPass": "#c44e52",
+           "WeightPass": "#55a868"}
+
+
+def plot(rows: list[dict], p: int, m: int, path: Path) -> None:
+    """One timeline per schedule at (p, m): a row per stage, a bar per forward (blue), backward
+    (orange), B (red) and W (green) instruction of the last timed step, as measured."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [n for n in SCHEDULES if any(r["schedule"] == n and r["p"] == p and r["m"] == m for r in rows)]
+    fig, axes = plt.subplots(len(names), 1, figsize=(10, 1.2 + 0.45 * p * len(names)), sharex=True)
+    for ax, name in zip(axes if len(names) > 1 else [axes], names):
+        for r in (r for r in rows if (r["schedule"], r["p"], r["m"]) == (name, p, m)):
+            for kind, a, b in r["last_step"]:
+                ax.barh(r["stage"], 1e3 * (b - a), left=1e3 * a, color=COLOURS[kind], edgecolor="white")
+        ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
+        ax.invert_yaxis()
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontweight="bold")
+    axes[-1].set_xlabel("ms from the step's first instruction (measured, one step)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLOURS.values()]
+    fig.legend(handles, ["forward", "backward", "B (input grad)", "W (weight grad)"], ncol=4,
+               loc="upper center")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -241,7 +278,36 @@ def run_one(args, name: str, p: int, m: int, work: Path) -> list[dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"{tag} exited {proc.returncode}: {(out / 'log.txt').read_text()[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(p)]
-    return summarize(name, p, m, ranks, m * args.micro_batch_size * args.seq_len)
+    rows = summarize(name, p, m, ranks, m * args.micro_batch_size * args.seq_len)
+    logged = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:      # what was trained: the same under every schedule
+        r["losses"] = [(x["loss"], x["grad_norm"]) for x in logged if "loss" in x]
+    return rows
+
+
+def max_loss_gap(rows: list[dict]) -> float:
+    """The largest relative difference of a logged loss or grad norm from 1F1B's run at the
+    same (p, m): the schedules train the same arithmetic in another order."""
+    ref = {(r["p"], r["m"]): r["losses"] for r in rows if r["schedule"] == "1f1b"}
+    gaps = [abs(a - b) / abs(b) for r in rows if (r["p"], r["m"]) in ref
+            for pair, base in zip(r["losses"], ref[(r["p"], r["m"])]) for a, b in zip(pair, base)]
+    return max(gaps, default=0.0)
+
+
+def print_table(rows: list[dict], header: str) -> None:
+    """The table: one line per (schedule, p, m, stage); ``cores`` is the run's summed busy time
+    over its step time (how many cores its stages kept busy at once)."""
+    print(header)
+    print(f"{'schedule':>8} {'p':>2} {'m':>2} {'stage':>5} {'busy ms':>8} {'step ms':>8} {'cores':>5} "
+          f"{'idle':>6} {'replay':>6} {'formula':>7} {'F ms':>6} {'B ms':>6} {'W ms':>6} "
+          f"{'peak act MiB':>12} {'tokens/s':>8}")
+    for r in rows:
+        run = [x for x in rows if (x["schedule"], x["p"], x["m"]) == (r["schedule"], r["p"], r["m"])]
+        cores = sum(x["busy_ms"] for x in run) / r["step_ms"]
+        print(f"{r['schedule']:>8} {r['p']:>2} {r['m']:>2} {r['stage']:>5} {r['busy_ms']:>8.1f} "
+              f"{r['step_ms']:>8.1f} {cores:>5.2f} {r['idle']:>6.3f} {r['idle_replay']:>6.3f} "
+              f"{r['formula']:>7.3f} {r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} "
+              f"{r['weight_ms']:>6.1f} {r['peak_act_mib']:>12.2f} {r['tokens_per_s']:>8.0f}")
 
 
 def main(argv=None) -> int:
@@ -251,6 +317,13 @@ def main(argv=None) -> int:
         out = parse_args(argv[:split]).rank_out.format(os.environ["RANK"])
         _rank_main(out, argv[split + 1:])
     args = parse_args(argv)
+    if args.table:                      # a saved run's table and timelines again
+        saved = json.loads(Path(args.table).read_text())
+        print_table(saved["rows"], saved["header"])
+        if args.plot:
+            plot(saved["rows"], max(saved["args"]["stages"]), max(saved["args"]["micro_batches"]),
+                 Path(args.plot))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for p in args.stages:
@@ -258,20 +331,18 @@ def main(argv=None) -> int:
                 for name in args.schedules:
                     rows += run_one(args, name, p, m, Path(tmp))
                     print(f"  ran {name} p={p} m={m}", file=sys.stderr, flush=True)
-    print(f"dense, {args.layers} blocks, hidden {args.hidden}, micro-batch {args.micro_batch_size} x "
-          f"{args.seq_len} tokens, fp32 ZeRO-1, gloo; median of steps 2-{args.steps} "
-          f"(load average {os.getloadavg()[0]:.1f} at the end)")
-    print(f"{'schedule':>8} {'p':>2} {'m':>2} {'stage':>5} {'busy ms':>8} {'step ms':>8} {'idle':>6} "
-          f"{'replay':>6} {'formula':>7} {'F ms':>6} {'B ms':>6} {'W ms':>6} {'peak act MiB':>12} "
-          f"{'tokens/s':>8}")
-    for r in rows:
-        print(f"{r['schedule']:>8} {r['p']:>2} {r['m']:>2} {r['stage']:>5} {r['busy_ms']:>8.1f} "
-              f"{r['step_ms']:>8.1f} {r['idle']:>6.3f} {r['idle_replay']:>6.3f} {r['formula']:>7.3f} "
-              f"{r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} {r['weight_ms']:>6.1f} "
-              f"{r['peak_act_mib']:>12.2f} {r['tokens_per_s']:>8.0f}")
+    header = (f"dense, {args.layers} blocks, hidden {args.hidden}, micro-batch {args.micro_batch_size} x "
+              f"{args.seq_len} tokens, fp32 ZeRO-1, gloo; median of steps 2-{args.steps}; "
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end")
+    print_table(rows, header)
+    print(f"losses and grad norms, largest relative difference from 1f1b's at the same p and m: "
+          f"{max_loss_gap(rows):.1e}")
+    if args.plot:
+        plot(rows, max(args.stages), max(args.micro_batches), Path(args.plot))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "rank_out"}, "rows": rows}, f, indent=1)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("rank_out", "table")},
+                       "header": header, "rows": rows}, f, indent=1)
     return 0
 
 
