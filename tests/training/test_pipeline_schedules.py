@@ -140,8 +140,9 @@ def test_replayed_bubbles_equal_the_formulas(p, m):
 
 
 def test_the_benchmark_measures_the_engines_schedules(tmp_path):
-    """``benchmarks/pipeline_schedules.py`` at p 2, m 4 (3 steps, three 2-rank trainer runs):
-    the three schedules log the same losses and grad norms (relative 1e-5); the instruction streams the engine executed are the schedules' own; GPipe holds m / (p - s)
+    """``benchmarks/pipeline_schedules.py`` at p 2, m 4 (3 steps, three 2-rank trainer runs) and
+    at p 4 (1F1B and ZB-H1, 2 steps): the schedules log the same losses and grad norms
+    (relative 1e-5; measured equal); at p 2 the instruction streams the engine executed are the schedules' own; GPipe holds m / (p - s)
     times 1F1B's activation bytes on stage s (measured bytes: no timing); ZB-H1 ran W's on
     stage 1 only; and its executed streams, replayed with its own measured instruction times
     (1F1B's backward = B + W), finish sooner than 1F1B's. Wall-time orderings are the
@@ -166,3 +167,9 @@ def test_the_benchmark_measures_the_engines_schedules(tmp_path):
     zb, _ = bench.replay([rows[("zb-h1", s)]["stream"] for s in range(p)], times)
     one_f_one_b, _ = bench.replay([rows[("1f1b", s)]["stream"] for s in range(p)], times)
     assert zb < one_f_one_b, (zb, one_f_one_b)
+    # PP4: the middle stages receive gradients and defer W's (their last linear's W reads the
+    # received output gradient, which the next RecvGrad would overwrite without B's own copy)
+    out4 = tmp_path / "rows4.json"
+    assert bench.main(["--stages", "4", "--micro-batches", "4", "--steps", "2", "--schedules", "1f1b",
+                       "zb-h1", "--json", str(out4)]) == 0
+    assert bench.max_loss_gap(json.loads(out4.read_text())["rows"]) < 1e-5

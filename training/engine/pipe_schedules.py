@@ -24,7 +24,9 @@ to (p - 1)(F + B - W) per step (the paper's figure) while at most min(p - s, m) 
 are between their forward and their B, as in 1F1B; W's inputs of up to s more stay held.
 Stage 0 runs plain backwards: nobody waits for its input gradient. In a round the stage
 receives its gradient before it sends its activation (RecvGrad before SendActivation), the
-order in which neighbouring stages' blocking sends and receives match.
+order in which neighbouring stages' blocking sends and receives match. Each B works on its own
+copy of the received output gradient: the engine receives every micro-batch's into one buffer,
+and a deferred W of the stage's last linear layer holds that tensor until it runs.
 
 ``install(..., timeline=[])`` records every executed instruction as ``(name, buffer_id, start,
 end)`` in host seconds (``time.perf_counter``; CPU runs: the instruction's own time; on a GPU,
@@ -35,6 +37,8 @@ from __future__ import annotations
 
 import time
 from types import MethodType
+
+import torch
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
@@ -165,8 +169,18 @@ def install(engine, name: str, timeline: list | None = None) -> None:
             backward(self, buffer_id)
 
         def backward_input_pass(self, buffer_id):
-            with weight_grad.STORE.deferring():
-                backward_pass(self, buffer_id)
+            # The engine receives every micro-batch's output gradient into one buffer, and the
+            # last linear's deferred W holds that very tensor (the residual passes it through):
+            # B gets its own copy, so the next RecvGrad cannot overwrite what a W will read.
+            received = self.grad_layer
+            if received is not None:
+                self.grad_layer = (received.clone() if torch.is_tensor(received)
+                                   else type(received)(g.clone() for g in received))
+            try:
+                with weight_grad.STORE.deferring():
+                    backward_pass(self, buffer_id)
+            finally:
+                self.grad_layer = received
 
         def weight_pass(self, buffer_id):
             weight_grad.STORE.run_oldest()
