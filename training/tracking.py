@@ -56,7 +56,8 @@ def _wandb_mode() -> tuple[str, str | None]:
     return ("online", None) if found else ("offline", "no W&B credentials found")
 
 
-ROUTER_FIELDS = ("tokens_per_expert", "load_max_over_mean", "router_entropy", "dropped_frac")
+ROUTER_FIELDS = ("tokens_per_expert", "load_max_over_mean", "router_entropy", "dropped_frac",
+                 "router_logit_max", "router_lse")
 
 
 def router_columns(extra: dict) -> dict:

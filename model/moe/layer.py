@@ -41,6 +41,10 @@ class MoEAux:
     routed_per_expert: torch.Tensor   # (E,) routed assignments before capacity, this rank's tokens
     dropped_frac: torch.Tensor        # scalar, dropped assignments / (k*T)
     entropy: torch.Tensor             # scalar, mean router entropy in nats
+    # Router logit size (the growth the z-loss checks, ST-MoE): this rank's largest logit and
+    # its share of the mean log-sum-exp over tokens, both weighted by its share of tokens
+    logit_max: torch.Tensor | None = None
+    logit_lse: torch.Tensor | None = None
     step_counts: "StepCounts | None" = None   # the layer's running counts (global-batch, training)
 
     @property
@@ -186,6 +190,8 @@ class MoELayer(nn.Module):
             routed_per_expert=routed.detach(),
             dropped_frac=(plan.num_dropped.float() / (moe.top_k * total_tokens)).detach(),
             entropy=(losses.router_entropy(routing.probs) * num_tokens / total_tokens).detach(),
+            logit_max=(routing.logits.detach().max().float() * num_tokens / total_tokens),
+            logit_lse=(torch.logsumexp(routing.logits.detach().float(), dim=-1).sum() / total_tokens),
             step_counts=self.step_counts if moe.global_balance and self.training else None)
         return out, aux
 

@@ -499,6 +499,10 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(warm, tm
             max(h["moe/layer0/load_max_over_mean"], h["moe/layer1/load_max_over_mean"]))
         assert r["router_entropy"] == pytest.approx(
             (h["moe/layer0/router_entropy"] + h["moe/layer1/router_entropy"]) / 2)
+        # the router logits' size: the largest layer's maximum, the mean log-sum-exp over layers
+        assert r["router_logit_max"] > 0 and r["router_logit_max"] == pytest.approx(
+            max(h["moe/layer0/router_logit_max"], h["moe/layer1/router_logit_max"]))
+        assert r["router_lse"] == pytest.approx((h["moe/layer0/router_lse"] + h["moe/layer1/router_lse"]) / 2)
 
     # evaluate.py's main in this process (its command line is run as a script by
     # tests/interop/test_qwen_moe_training_round_trip.py and tests/launch/test_cli_errors.py).

@@ -52,7 +52,7 @@ CASES = [("pp2xtp2", 0, True, "1f1b"), ("pp2xtp2", 1, False, "1f1b"), ("pp2xtp2-
          ("pp2xtp2", 1, False, "gpipe"), ("pp2xep2", 1, True, "gpipe"),
          ("pp2xtp2", 1, False, "zb-h1"), ("pp2xtp2-sp", 1, True, "zb-h1"), ("pp2xep2", 1, True, "zb-h1")]
 SCHEDULE_CLASSES = {"1f1b": "TrainSchedule", "gpipe": "GPipeSchedule", "zb-h1": "ZeroBubbleH1Schedule"}
-KEYS = ("loss", "grad_norm", "aux_loss", "z_loss", "router_entropy", "expert_load_max_over_mean")
+KEYS = ("loss", "grad_norm", "aux_loss", "z_loss", "router_entropy", "router_lse", "expert_load_max_over_mean")
 
 
 CLIP = 0.85     # between the control's smallest and largest grad norm (0.74-0.94 over 10 steps)

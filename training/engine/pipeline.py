@@ -151,7 +151,8 @@ class BlockPipe(nn.Module):
             aux_sum = aux_sum + balance
             z_sum = z_sum + aux.z_loss
             self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,
-                                                        aux.dropped_frac, aux.routed_per_expert)])
+                                                        aux.dropped_frac, aux.routed_per_expert,
+                                                        aux.logit_max, aux.logit_lse)])
         return x, aux_sum, z_sum, *docs
 
 
@@ -277,10 +278,11 @@ class TransformerPipe(PipelineModule):
             return
         layers = self.cfg.num_moe_layers
         for block in self._blocks():
-            for aux, z, entropy, dropped, counts in block.moe_stats:
+            for aux, z, entropy, dropped, counts, logit_max, logit_lse in block.moe_stats:
                 for i, value in enumerate((aux, z, entropy, dropped)):
                     stats[3 + i] += value.double() / layers / gas
-                layout.add_layer(stats, block.moe_index, counts, entropy, dropped, gas)
+                layout.add_layer(stats, block.moe_index, counts, entropy, dropped, logit_max,
+                                 logit_lse, gas)
 
     def expert_biases(self) -> list[tuple[int, torch.Tensor]]:
         """(MoE layer index, expert bias) of this stage's routers that hold one."""

@@ -6,7 +6,8 @@ device-side adds only, summed once over the ranks that see different tokens (and
 stages), and copied to the host once. L is the number of MoE layers, E the experts per layer:
 
     [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch |G|^2]   scalars
-    tokens per expert (L x E), router entropy (L), dropped fraction (L)               per layer
+    tokens per expert (L x E), router entropy (L), dropped fraction (L),
+    largest router logit (L), mean router log-sum-exp (L)                            per layer
     expert bias (L x E), only when the router has one (loss-free balancing)
     router divergence (the tp x ep replicas of the router weights)                   last
 
@@ -81,7 +82,9 @@ class StatsLayout:
         self.counts = slice(SCALARS, counts_end)                       # (L x E,) layer-major
         self.entropy = slice(counts_end, counts_end + layers)
         self.dropped = slice(counts_end + layers, counts_end + 2 * layers)
-        end = self.dropped.stop
+        self.logit_max = slice(counts_end + 2 * layers, counts_end + 3 * layers)
+        self.logit_lse = slice(counts_end + 3 * layers, counts_end + 4 * layers)
+        end = self.logit_lse.stop
         self.bias = slice(end, end + layers * experts) if bias and layers else None
         self.divergence = self.bias.stop if self.bias else end         # router divergence
         self.size = self.divergence + 1
@@ -106,19 +109,24 @@ class StatsLayout:
             entropy = torch.stack([a.entropy for a in out.moe_aux]).double() / gas      # (L,)
             dropped = torch.stack([a.dropped_frac for a in out.moe_aux]).double() / gas  # (L,)
             counts = torch.stack([a.routed_per_expert for a in out.moe_aux]).double()   # (L, E)
+            logits = torch.stack([torch.stack([a.logit_max, a.logit_lse]) for a in out.moe_aux]
+                                 ).double().t() / gas                                    # (2, L)
             stats[AUX] += out.aux_loss.detach().double() / gas
             stats[Z] += out.z_loss.detach().double() / gas
             stats[ENTROPY] += entropy.mean()
             stats[DROPPED] += dropped.mean()
-            # counts, entropy and dropped lie next to each other: one add
-            stats[self.counts.start:self.dropped.stop] += torch.cat([counts.flatten(), entropy, dropped])
+            # counts, entropy, dropped and the logit sizes lie next to each other: one add
+            stats[self.counts.start:self.logit_lse.stop] += torch.cat([counts.flatten(), entropy, dropped,
+                                                                       logits.flatten()])
 
-    def add_layer(self, stats: torch.Tensor, j: int, counts, entropy, dropped, gas: int) -> None:
+    def add_layer(self, stats: torch.Tensor, j: int, counts, entropy, dropped, logit_max, logit_lse,
+                  gas: int) -> None:
         """One micro-batch's values of MoE layer ``j`` alone (a pipeline stage's blocks)."""
         e = self.experts
         stats[self.counts][j * e:(j + 1) * e] += counts.double()
-        stats[self.entropy.start + j] += entropy.double() / gas
-        stats[self.dropped.start + j] += dropped.double() / gas
+        for where, value in ((self.entropy, entropy), (self.dropped, dropped),
+                             (self.logit_max, logit_max), (self.logit_lse, logit_lse)):
+            stats[where.start + j] += value.double() / gas
 
     def add_expert_biases(self, stats: torch.Tensor, biases, share: int) -> None:
         """The expert bias each of this rank's MoE layers routed the step with, ``biases`` as
@@ -137,8 +145,12 @@ class StatsLayout:
         the transformer block's index (``blocks``)."""
         e = self.experts
         counts, entropy, dropped = values[self.counts], values[self.entropy], values[self.dropped]
+        logit_max, logit_lse = values[self.logit_max], values[self.logit_lse]
         row = {"aux_loss": values[AUX] / dp, "z_loss": values[Z] / dp,
-               "router_entropy": values[ENTROPY] / dp, "dropped_frac": values[DROPPED] / dp}
+               "router_entropy": values[ENTROPY] / dp, "dropped_frac": values[DROPPED] / dp,
+               # the layer with the largest logits; the mean log-sum-exp over layers
+               "router_logit_max": max(logit_max, default=0.0) / dp,
+               "router_lse": sum(logit_lse) / max(len(logit_lse), 1) / dp}
         extra, worst = {}, 0.0
         for j, block in enumerate(blocks):
             tokens = [int(c) for c in counts[j * e:(j + 1) * e]]
@@ -148,6 +160,8 @@ class StatsLayout:
             extra[f"moe/layer{block}/tokens_per_expert"] = tokens
             extra[f"moe/layer{block}/router_entropy"] = entropy[j] / dp
             extra[f"moe/layer{block}/dropped_frac"] = dropped[j] / dp
+            extra[f"moe/layer{block}/router_logit_max"] = logit_max[j] / dp
+            extra[f"moe/layer{block}/router_lse"] = logit_lse[j] / dp
         row["expert_load_max_over_mean"] = worst         # the worst MoE layer
         if self.bias is not None:
             biases = [values[self.bias][j * e:(j + 1) * e] for j in range(len(blocks))]
