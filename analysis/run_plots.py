@@ -8,6 +8,10 @@
 - ``moe_load_<run>.png`` (MoE runs): per MoE layer, a heatmap of each expert's share of the
   layer's routed tokens times the number of experts (1.0 = an even share), expert x step, from
   the rows that carry ``moe_layers`` (every ``train.log_every`` steps).
+- ``grad_norm_layers_<run>.png``: the gradient norm of the embedding, each block and the head
+  against the step (log scale), from the rows that carry ``grad_norm_layers`` (every
+  ``train.log_every`` steps and every spike); spikes marked. A spike's layer is the line that
+  jumps (docs/stability.md, "Debugging a spike").
 
 Each function returns the numbers it drew, so that tests can check the plot's data.
 """
@@ -141,3 +145,40 @@ def plot_moe_load(name: str, train: list[dict], out: Path) -> dict:
     fig.savefig(out / f"moe_load_{name}.png", dpi=100)
     plt.close(fig)
     return {"steps": steps, "blocks": blocks, "shares": shares}
+
+
+def layer_grad_norms(train: list[dict]) -> tuple[list[int], dict[str, list[float]]]:
+    """(steps, {"embed" | "block<i>" | "head": norm at each step}) from the rows that carry
+    ``grad_norm_layers``."""
+    rows = [r for r in train if "grad_norm_layers" in r]
+    series: dict[str, list[float]] = {}
+    for r in rows:
+        f = r["grad_norm_layers"]
+        for name, v in [("embed", f["embed"]), *((f"block{i}", b) for i, b in enumerate(f["blocks"])),
+                        ("head", f["head"])]:
+            series.setdefault(name, []).append(v)
+    return [r["step"] for r in rows], series
+
+
+def plot_layer_grad_norms(name: str, train: list[dict], out: Path) -> dict:
+    """``grad_norm_layers_<name>.png``; returns {"steps", "series", "spikes"} ({} without such
+    rows). Spikes: the steps flagged ``spike`` or ``grad_spike``."""
+    steps, series = layer_grad_norms(train)
+    if not steps:
+        return {}
+    spikes = [r["step"] for r in train if r.get("spike") or r.get("grad_spike")]
+    fig, ax = plt.subplots(figsize=(8, 4), constrained_layout=True)
+    cmap = plt.get_cmap("viridis")
+    for i, (label, values) in enumerate(series.items()):
+        ax.plot(steps, values, label=label, color=cmap(i / max(len(series) - 1, 1)), marker=".")
+    for s in spikes:
+        ax.axvline(s, color="red", alpha=0.3)
+    if all(v > 0 for vs in series.values() for v in vs):
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm")
+    ax.set_title(f"{name}: gradient norm per layer (red: spikes)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.savefig(out / f"grad_norm_layers_{name}.png", dpi=100)
+    plt.close(fig)
+    return {"steps": steps, "series": series, "spikes": spikes}

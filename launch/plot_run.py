@@ -4,7 +4,8 @@
 
 Writes ``training.png`` (loss and eval loss, lr, gradient norm, tokens/s), and for MoE runs
 ``moe_balance.png`` (max/mean expert load, dropped fraction, expert bias spread) and
-``moe_load_<run>.png`` (each layer's expert x step load heatmap) into ``DIR`` (default
+``moe_load_<run>.png`` (each layer's expert x step load heatmap), and
+``grad_norm_layers_<run>.png`` (each layer's gradient norm, spikes marked) into ``DIR`` (default
 ``<first run dir>/plots``), and prints their paths. See ``analysis/run_plots.py``. A missing or unreadable run is one line, exit code 2.
 """
 
@@ -48,6 +49,8 @@ def main(argv=None) -> int:
     for name, (train, _) in runs.items():
         if run_plots.plot_moe_load(name, train, out):
             written.append(f"moe_load_{name}.png")
+        if run_plots.plot_layer_grad_norms(name, train, out):
+            written.append(f"grad_norm_layers_{name}.png")
     for name in written:
         print(out / name)
     return 0

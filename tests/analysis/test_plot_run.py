@@ -51,10 +51,10 @@ def test_plots_of_one_moe_run(runs, tmp_path):
     out = tmp_path / "out"
     proc = _plot("--run-dir", str(runs / "mixtral"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(out / n) for n in
-                                   ("training.png", "moe_balance.png", "moe_load_mixtral.png")]
+    names = ("training.png", "moe_balance.png", "moe_load_mixtral.png", "grad_norm_layers_mixtral.png")
+    assert proc.stdout.split() == [str(out / n) for n in names]
     import matplotlib.image
-    for name in ("training.png", "moe_balance.png", "moe_load_mixtral.png"):
+    for name in names:
         height, width, _ = matplotlib.image.imread(out / name).shape
         assert width >= 400 and height >= 250, (name, width, height)
 
@@ -72,14 +72,20 @@ def test_plots_of_one_moe_run(runs, tmp_path):
             assert [grid[e][j] for e in range(8)] == pytest.approx(
                 [c * 8 / sum(counts) for c in counts])
             assert sum(grid[e][j] for e in range(8)) == pytest.approx(8.0)
+    layers = run_plots.plot_layer_grad_norms("m", train, tmp_path)     # train.log_every=5
+    assert layers["steps"] == [5, 10] and list(layers["series"]) == ["embed", "block0", "block1", "head"]
+    for j, r in enumerate(r for r in train if "grad_norm_layers" in r):
+        drawn_sq = sum(layers["series"][k][j] ** 2 for k in layers["series"])
+        assert drawn_sq ** 0.5 == pytest.approx(r["grad_norm"], rel=1e-6)
 
 
 def test_overlay_and_dense_run(runs, tmp_path):
     proc = _plot("--run-dir", str(runs / "mixtral"), "--run-dir", str(runs / "dense"),
                  "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert sorted(Path(p).name for p in proc.stdout.split()) == [
-        "moe_balance.png", "moe_load_mixtral.png", "training.png"]      # none for the dense run
+    assert sorted(Path(p).name for p in proc.stdout.split()) == [       # no MoE plot for the dense run
+        "grad_norm_layers_dense.png", "grad_norm_layers_mixtral.png", "moe_balance.png",
+        "moe_load_mixtral.png", "training.png"]
     both = {name: run_plots.read_metrics(runs / name) for name in ("mixtral", "dense")}
     drawn = run_plots.plot_training(both, tmp_path)
     assert sorted(drawn["loss"]) == ["dense", "mixtral"]

@@ -503,6 +503,12 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(warm, tm
         assert r["router_logit_max"] > 0 and r["router_logit_max"] == pytest.approx(
             max(h["moe/layer0/router_logit_max"], h["moe/layer1/router_logit_max"]))
         assert r["router_lse"] == pytest.approx((h["moe/layer0/router_lse"] + h["moe/layer1/router_lse"]) / 2)
+        # each layer's gradient norm, flat, on the rows that carry grad_norm_layers (log steps)
+        assert ("grad_norm/block1" in h) == ("grad_norm_layers" in r) == (r["step"] % 5 == 0)
+        if "grad_norm_layers" in r:
+            f = r["grad_norm_layers"]
+            assert [h["grad_norm/embed"], h["grad_norm/block0"], h["grad_norm/block1"], h["grad_norm/head"]] == \
+                pytest.approx([f["embed"], *f["blocks"], f["head"]]) and "grad_norm_layers" not in h
 
     # evaluate.py's main in this process (its command line is run as a script by
     # tests/interop/test_qwen_moe_training_round_trip.py and tests/launch/test_cli_errors.py).

@@ -94,6 +94,7 @@ def test_layout_matches_the_single_process_control(layout, stage, control, runs)
         assert b["tokens"] == a["tokens"]
         if b["step"] % 5 == 0:          # train.log_every: the router replicas were compared
             assert b["router_divergence"] == 0.0, (layout, stage, b["step"])
+    _assert_layer_norms(ref, got, (layout, stage))
     assert ref[-1]["loss"] < ref[0]["loss"]
     if layout == "ep2" and stage == 2:
         _check_experts(control, run_dir)
@@ -119,7 +120,20 @@ def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
         for key in ("loss", "grad_norm", "aux_loss", "z_loss", "expert_load_max_over_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4), (what, key, a["step"])
         assert (b["tokens"], b["lr"]) == (a["tokens"], a["lr"])
+    _assert_layer_norms(ref, got, what)
     assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+def _assert_layer_norms(ref: list[dict], got: list[dict], what) -> None:
+    """Every train.log_every (5) steps both rows carry the per-layer gradient norms: equal to the
+    control's (1e-4, as grad_norm), and making up the row's grad_norm (1e-6: the same gradient
+    pieces summed in another order; ZeRO 1-3 take DeepSpeed's norm, measured 6e-8 off)."""
+    for a, b in zip(ref, got):
+        assert ("grad_norm_layers" in b) == ("grad_norm_layers" in a) == (a["step"] % 5 == 0), what
+        if "grad_norm_layers" in b:
+            la, lb = ([x["embed"], *x["blocks"], x["head"]] for x in (a["grad_norm_layers"], b["grad_norm_layers"]))
+            assert lb == pytest.approx(la, rel=1e-4), (what, "grad_norm_layers", a["step"])
+            assert sum(v * v for v in lb) ** 0.5 == pytest.approx(b["grad_norm"], rel=1e-6), (what, a["step"])
 
 
 @pytest.mark.parametrize("stage", [0, 1])

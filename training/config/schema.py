@@ -165,6 +165,10 @@ class TrainConfig:
     """A step's loss above spike_factor x the running mean of the last spike_window steps spikes."""
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
+    grad_spike_factor: float | None = None
+    """A step's grad_norm above grad_spike_factor x the mean of the last spike_window applied
+    steps' is a gradient spike; spike_action applies where the norm is known before the update
+    (fp32 ZeRO-0), elsewhere it is logged or stops after the step (docs/stability.md). None: off."""
     async_save: bool = True
     """Write checkpoint files in a background thread while training goes on (training/checkpoint/saving.py)."""
     on_save_error: Literal["continue", "stop"] = "continue"
@@ -190,6 +194,10 @@ class TrainConfig:
                              f"seconds >= 0 (0: automatic, 10x the slowest recent step)")
         if not self.spike_factor > 1.0:
             raise ValueError(f"train.spike_factor ({self.spike_factor}) must be > 1, e.g. 4.0")
+        if self.grad_spike_factor is not None and not (
+                isinstance(self.grad_spike_factor, (int, float)) and self.grad_spike_factor > 1.0):
+            raise ValueError(f"train.grad_spike_factor ({self.grad_spike_factor}) must be > 1, e.g. 5.0, "
+                             f"or null (off)")
         for name in self.preemption_signals:
             if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None),
                                                                 signal.Signals):

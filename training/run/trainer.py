@@ -195,8 +195,11 @@ class Run:
             self.progress.update(row)
             dog.beat(step)
             # spike_action "stop": the spiking step was skipped (no weight changed); save that
-            # state. A preemption signal on any rank: every rank saves this step and exits.
+            # state. A gradient-norm spike found inside DeepSpeed's step (ZeRO 1-3, bf16) was
+            # applied: stop without saving, the latest checkpoint is from before it. A
+            # preemption signal on any rank: every rank saves this step and exits.
             stop, preempted = row.get("stopped"), stepper.stop_requested
+            keep = bool(stop) and "skipped" in row
             if not (stop or preempted) and recipe.eval.every and (step % recipe.eval.every == 0
                                                                   or step == tcfg.steps):
                 eval_loss = stepper.evaluate(self.val_batches, progress=dog.beat)
@@ -206,9 +209,10 @@ class Run:
                     print(f"step {step} | eval_loss {eval_loss:.4f}", flush=True)
             if stepper.saves_written:       # every rank's writer has finished: publish (all ranks)
                 saver.finish()
-            if stop or preempted or (tcfg.save_every and (step % tcfg.save_every == 0 or step == tcfg.steps)):
+            if keep or preempted or (not stop and tcfg.save_every and (step % tcfg.save_every == 0
+                                                                       or step == tcfg.steps)):
                 where.phase = "checkpoint save"
-                saver.save(step, self.state, wait=bool(stop or preempted or step == tcfg.steps))
+                saver.save(step, self.state, wait=bool(keep or preempted or step == tcfg.steps))
                 dog.beat()
                 self.tracker.log({"step": step, "save_stall_s": saver.stall_s})
             tag = saver.published if saver.published == tag_for_step(step) else None
@@ -245,4 +249,5 @@ def stop_message(step: int, reason: str, ckpt_dir, tag: str | None) -> str:
         return (f"stopping at step {step}: {reason}; the step was skipped and {ckpt_dir / tag} "
                 f"holds the weights from before it; change the settings (e.g. a lower lr or --set "
                 f"train.spike_action=skip) and run the command again to resume")
-    return f"stopping at step {step}: {reason} and run the same command to resume from {latest_tag(ckpt_dir)}"
+    latest = latest_tag(ckpt_dir) or "the first step (no checkpoint yet)"
+    return f"stopping at step {step}: {reason} and run the same command to resume from {latest}"

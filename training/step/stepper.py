@@ -36,7 +36,8 @@ import torch
 
 from model.moe.layer import start_balance_step
 from model.parallel import comm
-from training.step.history import StepHistory
+from training.step import layer_grads
+from training.step.history import StepHistory, spike_fields
 from training.config.ds_config import replica_sync_mode
 from training.step.stats import (NOISE, BusyTime, StatsLayout, StepValues, busy_row, straggler_metrics)
 
@@ -81,6 +82,8 @@ class StepDecision:
     saved_lr: list[float] | None = None     # a skipped step's lrs, set to 0 for its update
     sched_before: int | None = None         # the lr scheduler's position before the step
     grad_norm_local: float | None = None    # the trainer's norm at ZeRO-0 fp32 (applied steps)
+    layer_sq: object = None     # per-layer squared gradient sums: a device tensor, or a host list at ZeRO-0 fp32
+    grad_spike: bool = False    # the gradient norm is a spike (train.grad_spike_factor)
 
 
 class Stepper:
@@ -127,6 +130,8 @@ class Stepper:
         self.saves_written = True       # every rank's checkpoint writer has finished
         self.grad_sync = None if self.pipeline else self.model.grad_sync
         self.noise = self.history.noise
+        self.layer_norms = layer_grads.LayerGradNorms(self.model, self.cfg.num_layers, self.zero_stage,
+                                                      self.half, ctx.groups)
         if self.grad_sync is not None:
             self.grad_sync.mode = replica_sync_mode(ds)
         if self.pipeline:
@@ -265,8 +270,11 @@ class Stepper:
         decision.sched_before = _schedule_position(self.engine.lr_scheduler)
         if decision.skip_reason is None:
             if self.zero_stage == 0 and not self.half:
-                decision.grad_norm_local = self._local_grad_norm()
-            return
+                self._local_grad_norm(decision)
+            elif self.where.step % self.recipe.train.log_every == 0 or decision.spike:
+                decision.layer_sq = self.layer_norms.squares(self.ctx.device)  # read with grad_norm
+            if decision.skip_reason is None:
+                return
         decision.saved_lr = [g["lr"] for g in param_groups]
         if self.zero_stage == 0:
             for p in self.model.parameters():
@@ -275,20 +283,17 @@ class Stepper:
         for g in param_groups:
             g["lr"] = 0.0
 
-    def _local_grad_norm(self) -> float:
-        # ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
-        # does not report their norm there, so compute it (before clipping, as it does
-        # elsewhere): every shard counted once on its canonical holder (the
-        # ``tensor_model_parallel`` mark, see model/parallel/layers.py), summed over tp x ep.
-        # Pipeline stages hold different layers (summed over pp); a tied weight's copy on a
-        # later stage is marked ``ds_pipe_replicated`` by DeepSpeed and counted once.
-        sq = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for p in self.model.parameters():
-            if (p.grad is not None and getattr(p, "tensor_model_parallel", True)
-                    and not getattr(p, "ds_pipe_replicated", False)):
-                sq += p.grad.double().pow(2).sum()
-        comm.all_reduce_sum(sq, self.ctx.groups.mp_group)
-        return float(comm.all_reduce_sum(sq, self.ctx.groups.pp_group)) ** 0.5
+    def _local_grad_norm(self, decision: StepDecision) -> None:
+        """ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
+        does not report their norm there, so compute it (before clipping, as it does
+        elsewhere) from the per-layer sums (``training/step/layer_grads.py``: every shard
+        counted once, summed over tp x ep and the stages), read to the host once. Known before
+        the update, a gradient-norm spike can be skipped here (``train.grad_spike_factor``)."""
+        decision.layer_sq = self.layer_norms.squares(self.ctx.device).tolist()
+        norm = decision.grad_norm_local = sum(decision.layer_sq) ** 0.5
+        decision.grad_spike = self.history.grad_spike(norm)
+        if decision.grad_spike and self.recipe.train.spike_action != "log":
+            decision.skip_reason = f"grad-norm spike ({norm:.4g})"
 
     def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
         """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
@@ -319,11 +324,15 @@ class Stepper:
             # an overflow): put back the lr we zeroed, or the next step would run at lr 0.
             for group, lr in zip(engine.optimizer.param_groups, decision.saved_lr):
                 group["lr"] = lr
+        gn = self.engine.get_global_grad_norm()     # None at fp32 ZeRO-0: the trainer's own
+        gn, layer_sq = layer_grads.read(gn if gn is not None else decision.grad_norm_local, decision.layer_sq)
+        if not decision.grad_spike and decision.skip_reason is None and self.history.grad_spike(gn):
+            decision.grad_spike = True      # known only after DeepSpeed's step: applied
         if decision.skip_reason is None:
-            self.history.spikes.record(decision.values.loss)
+            self.history.record(decision.values.loss, gn)
         if applied:
             self._update_expert_bias(decision.reduced)
-        return self._row(step, decision, applied, time.time() - t0)
+        return self._row(step, decision, applied, time.time() - t0, gn, layer_sq)
 
     def _update_expert_bias(self, reduced: torch.Tensor) -> None:
         """Loss-free balancing after an applied step: the routed counts of the step, summed over
@@ -336,15 +345,11 @@ class Stepper:
         counts = reduced[self.stats.counts]            # (L x E,) float64
         self.model.update_expert_bias(counts.view(self.stats.layers, self.stats.experts))
 
-    def _row(self, step: int, decision: StepDecision, applied: bool, step_time: float) -> tuple[dict, dict]:
+    def _row(self, step: int, decision: StepDecision, applied: bool, step_time: float,
+             gn: float | None, layer_sq: list[float] | None) -> tuple[dict, dict]:
         values, skip_reason = decision.values, decision.skip_reason
-        gn = self.engine.get_global_grad_norm()
-        if gn is None:
-            gn = decision.grad_norm_local
-        gn = float(gn) if gn is not None else None
         self.history.tokens += int(values.tokens)
-        row = {"step": step, "loss": values.loss, "lr": decision.lr,
-               "grad_norm": gn if gn is not None and math.isfinite(gn) else None,
+        row = {"step": step, "loss": values.loss, "lr": decision.lr, "grad_norm": gn,
                "tokens": self.history.tokens, "tokens_per_s": values.tokens / step_time,
                "step_time_s": step_time}
         if self.noise:
@@ -358,12 +363,11 @@ class Stepper:
         if self._router_check_step(step):
             row["router_divergence"] = values.router_divergence     # 0.0: router replicas bitwise equal
         row.update(decision.stragglers)         # every train.log_every steps: the ranks' busy times
-        if decision.spike:
-            row["spike"] = True     # logged in every case; skipped or stopped when asked
-        if not applied:
-            row["skipped"] = skip_reason or "optimizer skipped the step (overflow)"
-        if skip_reason and skip_reason.startswith("loss spike") and self.recipe.train.spike_action == "stop":
-            row["stopped"] = skip_reason
+        if layer_sq is not None and (step % self.recipe.train.log_every == 0 or decision.spike
+                                     or decision.grad_spike):
+            layer_grads.add_to_row(row, extra, layer_sq, self.cfg.num_layers)
+        row.update(spike_fields(decision.spike, decision.grad_spike, skip_reason, applied, gn,
+                                self.recipe.train.spike_action))
         self.ctx.add_gpu_metrics(row, self.flops_per_token)
         return row, extra
 
