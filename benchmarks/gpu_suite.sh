@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu_suite.sh --prepare     # .gpu-wheels/ (the kit) and .gpu-cache/ (tokenizers, prepared data)
 #   (--prepare --python-version 3.11: the kit for another Python, as the rehearsal makes it)
 # On the device, two commands on one warm machine (both carry .gpu-wheels and .gpu-cache):
-#   bash benchmarks/gpu_suite.sh --part 1      # kit install, device contract, dense, MoE: <= 6 min
+#   bash benchmarks/gpu_suite.sh --part 1      # kit install, device contract, dense, MoE, microbench: <= 6 min
 #   bash benchmarks/gpu_suite.sh --part 2      # MoE layer, end to end, compile, NCCL check, overlap_comm, gpu tests: <= 5 min
 # Here, the rehearsal (CI runs it: tests/test_gpu_suite.py):
 #   bash benchmarks/gpu_suite.sh --rehearsal   # both parts on this CPU, tiny sizes, in an emulated image
@@ -47,13 +47,13 @@ typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug whe
 xxhash yarl zipp"
 
 # Steps of each part, in order of value: name:cap_seconds.
-PART1="device_contract:50 dense:110 moe:150"
+PART1="device_contract:50 dense:110 moe:150 gpu_microbench:20"
 PART2="moe_layer:30 end_to_end:60 compile:60 nccl_check:20 overlap_comm:45 gpu_tests:40"
 KIT_CAP=30
 # The summary's section titles, which the rehearsal checks.
 declare -A TITLE=([device_contract]="device contract" [dense]="dense" [moe]="MoE" [moe_layer]="MoE layer"
                   [end_to_end]="end to end" [compile]="compile" [nccl_check]="NCCL check" [overlap_comm]="overlap_comm"
-                  [gpu_tests]="gpu tests")
+                  [gpu_tests]="gpu tests" [gpu_microbench]="GPU microbench")
 
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
 PY=${GPU_SUITE_PYTHON:-python3}
@@ -78,12 +78,14 @@ if [ "$SIZE" = gpu ]; then
   MOE_LAYER_ARGS="--device cuda --dtype bf16 --experts 8,64 --repeats 3"
   E2E_ARGS="--config ds_configs/zero1.json --sizes mid --steps 12"
   NCCL_ARGS="--nproc_per_node $(nvidia-smi -L 2>/dev/null | wc -l)"
+  MICROBENCH_ARGS="--device cuda --size gpu --budget-s 14"
 else
   DENSE=recipes/tiny_dense.yaml MOE=recipes/tiny_mixtral.yaml
   DS=ds_configs/zero1_fp32.json STEPS=3 WARMUP=1 BIG_VOCAB=4096 BACKEND=gloo
   MOE_LAYER_ARGS="--device cpu --tokens 128 --hidden 64 --ffn 64 --experts 4 --iters 1 --repeats 1 --warmup 0"
   E2E_ARGS="--config ds_configs/zero1_fp32.json --sizes tiny --steps 3 --warmup 1"
   NCCL_ARGS="--nproc_per_node 2"
+  MICROBENCH_ARGS="--device cpu --size tiny --budget-s 6"
 fi
 # Prepared data and tokenizer for a recipe's vocabulary (made by --prepare).
 data_sets() { echo "data.source=$CACHE/data$1/stdlib_text_document tokenizer.path=$CACHE/tok$1"; }
@@ -137,6 +139,13 @@ train_recipe() {   # NAME RECIPE: bf16 steps of a recipe on one GPU, then its fi
 }
 step_dense() { train_recipe dense "$DENSE"; }
 step_moe() { train_recipe moe "$MOE"; }
+
+step_gpu_microbench() {
+  # Matmul TFLOP/s by dtype (fp32, tf32, bf16, fp16, fp8) and copy/add bandwidth beside the
+  # datasheet peaks; --budget-s skips what would end past the cap (docs/gpu.md).
+  "$PY" benchmarks/gpu_microbench.py $MICROBENCH_ARGS --json "$WORK/gpu_microbench.json" | tee -a "$FIG"
+  return "${PIPESTATUS[0]}"
+}
 
 step_moe_layer() {
   # Our MoELayer against transformers' Mixtral block (grouped GEMM), forward+backward.

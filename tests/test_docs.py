@@ -50,7 +50,7 @@ from tests.runs import env as _run_env
 
 REPO = Path(__file__).resolve().parents[1]
 TOPIC_PAGES = [
-    "gpu-memory", "memory-estimation", "data-parallelism", "tensor-parallelism",
+    "gpu", "gpu-memory", "memory-estimation", "data-parallelism", "tensor-parallelism",
     "pipeline-parallelism", "zero-and-fsdp", "activation-checkpointing", "mixed-precision",
     "communication", "checkpoints", "lr-schedules", "batch-size-and-lamb", "weight-decay",
     "accumulation", "stability", "hyperparameters", "dense-vs-sparse", "routers-and-top-k",

@@ -20,8 +20,8 @@ import pytest
 from benchmarks import gpu_figures
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ["device contract", "dense", "MoE", "MoE layer", "end to end", "compile", "NCCL check",
-            "overlap_comm", "gpu tests"]
+SECTIONS = ["device contract", "dense", "MoE", "GPU microbench", "MoE layer", "end to end", "compile",
+            "NCCL check", "overlap_comm", "gpu tests"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,19 @@ def test_the_rehearsal_runs_every_step_of_both_parts(rehearsal):
         # measured 184 s on the 2-core machine.
         print(f"gpu suite rehearsal: {seconds:.0f} s in CI (at most 240 s)")
         assert seconds <= 240, f"the rehearsal took {seconds:.0f} s in CI; it must take at most 240 s"
+
+
+def test_the_microbench_section_has_its_tables(rehearsal):
+    """The GPU microbench step's section: the bandwidth table with a figure per op and the matmul
+    table with a column per dtype, its first (bf16, smallest GEMM) cell measured whatever the budget."""
+    summary = (rehearsal[2] / "out" / "summary.md").read_text()
+    section = summary.split("## GPU microbench\n", 1)[1].split("\n## ", 1)[0]
+    assert "| matmul | M x K x N | FLOP/byte (bf16) | fp32 | tf32 | bf16 | fp16 | fp8 |" in section, section
+    copy = re.search(r"^\| copy \| [\d.]+ MiB \| [\d.]+ MiB \| ([\d.]+) \|", section, re.M)
+    assert copy and float(copy[1]) > 0, section
+    first = re.search(r"^\| expert gate/up [^|]*\| [^|]*\| [^|]*\| [^|]*\| [^|]*\| ([^|]+) \|", section, re.M)
+    assert first and float(first[1]) > 0, section          # bf16 of the smallest GEMM, measured first
+    assert (rehearsal[2] / "work" / "gpu_microbench.json").is_file()
 
 
 def test_the_caps_fit_the_device_commands(rehearsal):

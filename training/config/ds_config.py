@@ -237,6 +237,10 @@ def _check_optimizer(cfg: dict, stage: int) -> None:
     betas = params.get("betas", [0.9, 0.999])
     if (not isinstance(betas, list) or len(betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in betas)):
         raise _fail("optimizer.params.betas", betas, "must be two numbers in [0, 1)", "e.g. [0.9, 0.95]")
+    mode = params.get("adam_w_mode", True)      # DeepSpeed builds AdamW for type AdamW whatever it says
+    if not isinstance(mode, bool) or (name.lower() == "adamw" and not mode):
+        raise _fail("optimizer.params.adam_w_mode", mode, "must be a boolean, and true for type \"AdamW\"",
+                    "for L2 decay inside Adam use type \"Adam\" with adam_w_mode false")
     if name.lower() == "lamb" and stage > 0 and not cfg.get("zero_allow_untested_optimizer"):
         # ZeRO 1-3 hand the optimizer one flat partition per param group, so LAMB's per-layer
         # trust ratio would become one ratio per group and rank, changing with the DP size.
@@ -318,7 +322,8 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     set); `gradient_clipping` >= 0; fp16 and bf16 not both on, dynamic loss-scaling knobs;
     optimizer type (DeepSpeed's, torch.optim's, not a removed one), lr > 0, betas, eps,
     weight decay, no `max_grad_norm`, no LAMB under ZeRO >= 1 unless opted in; scheduler type
-    (DeepSpeed's, ours, or a numeric torch one) and its parameter names; the `lr_scaling` block.
+    (DeepSpeed's, ours, or a numeric torch one) and its parameter names; the `lr_scaling` block;
+    `adam_w_mode` (a boolean, not false under type AdamW) and `no_decay_group` (a boolean).
     "auto" scheduler values are allowed (see `training.optim.schedules.resolve_auto`).
 
     Args:
@@ -345,6 +350,9 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
     _check_optimizer(cfg, stage)
     _check_scheduler(cfg)
     _check_lr_scaling(cfg)
+    if not isinstance(cfg.get("no_decay_group", True), bool):     # ours: training/optim/optimizers.py
+        raise _fail("no_decay_group", cfg["no_decay_group"], "must be true or false",
+                    "true keeps norms, biases and embeddings undecayed; false decays every parameter")
     return out
 
 

@@ -71,7 +71,8 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
 
     ds, our_sched = schedules.split_scheduler(ds)
     wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
-    param_groups = optimizers.param_groups(model, wd, model_cfg)
+    ds, no_decay_group = optimizers.split_no_decay_group(ds)     # the JSON's "no_decay_group"
+    param_groups = optimizers.param_groups(model, wd, model_cfg, no_decay_group)
     ds = optimizers.apply_group_lr_scales(ds, param_groups)
     client_opt, ds = optimizers.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
     lr_scheduler = None

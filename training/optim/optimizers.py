@@ -1,7 +1,9 @@
 """Optimizer pieces around DeepSpeed: weight-decay groups, a CPU LAMB, and LR scaling.
 
-- `param_groups`: AdamW-style decoupled weight decay on matrices only (never on norms, biases or
-  embeddings); each group carries the `"name"` key DeepSpeed's MoE utilities index by. Under muP
+- `param_groups`: AdamW-style decoupled weight decay on matrices only (norms, biases and
+  embeddings go to a `"no_decay"` group unless the JSON's top-level `"no_decay_group": false`
+  asks to decay everything, `split_no_decay_group`); each group carries the `"name"` key
+  DeepSpeed's MoE utilities index by. Under muP
   (`model.mup_base_hidden_size`) the hidden matrices form a third group with an `"lr_scale"`
   of 1/m, which `apply_group_lr_scales` turns into the group's own lr.
 - `Lamb`: a pure-torch LAMB for the CPU accelerator, where DeepSpeed's `FusedLamb` has no kernel.
@@ -41,7 +43,8 @@ def _no_decay(name: str, param: torch.Tensor) -> bool:
     return ndim < 2 or "embed" in name or name.endswith("norm.weight")
 
 
-def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[TransformerConfig] = None) -> List[dict]:
+def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[TransformerConfig] = None,
+                 no_decay_group: bool = True) -> List[dict]:
     """Split trainable parameters into a decayed and a non-decayed group (and, under muP, the
     hidden matrices into a third).
 
@@ -55,6 +58,8 @@ def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[Transforme
         cfg: the model's config; with `mup_base_hidden_size` set, the decayed matrices that
             `model.mup.is_hidden` names go to a last group `"decay_mup_hidden"` with
             `"lr_scale": 1/m` (last, so that group 0, whose lr the trainer logs, has the base lr).
+        no_decay_group: False decays every parameter, norms, biases and embeddings too, as a
+            plain `AdamW(model.parameters())` does (the JSON's `"no_decay_group"`).
 
     Returns:
         Up to three groups, `{"params", "weight_decay", "name": "decay" | "no_decay" |
@@ -66,7 +71,7 @@ def param_groups(model: nn.Module, weight_decay: float, cfg: Optional[Transforme
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if _no_decay(name, param):
+        if no_decay_group and _no_decay(name, param):
             no_decay.append(param)
         else:
             (hidden if use_mup and mup.is_hidden(name) else decay).append(param)
@@ -118,6 +123,20 @@ def apply_group_lr_scales(ds_config: dict, groups: List[dict]) -> dict:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             sched_params[key] = [value * s for s in scales]
     return out
+
+
+def split_no_decay_group(ds_config: dict) -> Tuple[dict, bool]:
+    """Take the JSON's optional top-level `"no_decay_group"` (default true) out of the config.
+
+    True keeps norms, biases and embeddings out of the decay (`param_groups`'s `"no_decay"`
+    group); false decays every parameter. DeepSpeed has no such key, so it is removed before
+    `deepspeed.initialize`; `validate_ds_config` has checked that it is a boolean.
+
+    Returns:
+        `(a copy of the config without the key, its value)`.
+    """
+    out = copy.deepcopy(ds_config)
+    return out, bool(out.pop("no_decay_group", True))
 
 
 class Lamb(torch.optim.Optimizer):
