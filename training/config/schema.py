@@ -166,9 +166,7 @@ class TrainConfig:
     spike_window: int = 50
     """Steps in the running mean the spike test compares against."""
     grad_spike_factor: float | None = None
-    """A step's grad_norm above grad_spike_factor x the mean of the last spike_window applied
-    steps' is a gradient spike; spike_action applies where the norm is known before the update
-    (fp32 ZeRO-0), elsewhere it is logged or stops after the step (docs/stability.md). None: off."""
+    """grad_norm above this x the last spike_window steps' mean is a spike (docs/stability.md); None: off."""
     async_save: bool = True
     """Write checkpoint files in a background thread while training goes on (training/checkpoint/saving.py)."""
     on_save_error: Literal["continue", "stop"] = "continue"
