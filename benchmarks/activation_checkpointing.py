@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planning import memory_model as mm  # noqa: E402
+from planning import measured, memory_model as mm  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 from model import Transformer  # noqa: E402
 
@@ -96,7 +96,7 @@ def bench_model(name: str, args) -> list[dict]:
         est = mm.activation_bytes(cfg, mm.Layout(1), micro, seq, a, policy)
         rows[policy] = {"model": name, "policy": policy, "params": cfg.num_params(),
                         "hidden": cfg.hidden_size, "layers": cfg.num_layers, "seq": seq,
-                        "micro_batch": micro, "saved": mm.saved_activation_bytes(model, ids, labels),
+                        "micro_batch": micro, "saved": measured.saved_activation_bytes(model, ids, labels),
                         "estimate_saved": est["saved"], "estimate_recompute": est["recompute"],
                         "times": []}
     for r in range(args.warmup + args.repeats):

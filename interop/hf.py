@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
 
-from interop import hf_qwen
+from interop import hf_deepseek, hf_qwen
 from model.config import CONFIG_CLASSES, TransformerConfig, config_from_dict
 from model.transformer import Transformer
 
@@ -37,10 +37,13 @@ __all__ = ["HF_MODEL_TYPES", "from_hf_config", "from_hf_state_dict", "hf_aux_los
            "hf_model_type", "load_init_dir", "save_init_dir", "to_hf_config", "to_hf_state_dict"]
 
 # model_type in an HF config.json -> our family.
-HF_MODEL_TYPES = {"llama": "dense", "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral"}
+HF_MODEL_TYPES = {"llama": "dense", "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral",
+                  "deepseek_v3": "mixtral"}
 SUPPORTED = ("llama (LlamaForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe "
-             "(Qwen2MoeForCausalLM) and qwen3_moe (Qwen3MoeForCausalLM)")
-HF_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+             "(Qwen2MoeForCausalLM), qwen3_moe (Qwen3MoeForCausalLM) and deepseek_v3 "
+             "(DeepseekV3ForCausalLM)")
+HF_NAMES = {"llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE",
+            "deepseek_v3": "DeepSeek-V3"}
 INIT_CONFIG_FILE = "model_config.json"
 INIT_WEIGHTS_FILE = "model.safetensors"
 INIT_TOKENIZER_DIR = "tokenizer"
@@ -68,8 +71,11 @@ SWITCH_EXPORT_ERROR = (
 
 def hf_model_type(cfg: TransformerConfig) -> str:
     """The transformers architecture our config exports as: dense -> llama; an MoE with q/k norms
-    -> qwen3_moe, else with shared experts -> qwen2_moe, else mixtral. That target then refuses
-    whatever else it cannot hold (``to_hf_config``)."""
+    -> qwen3_moe, else with shared experts -> qwen2_moe, else mixtral; multi-head latent
+    attention -> deepseek_v3. That target then refuses whatever else it cannot hold
+    (``to_hf_config``)."""
+    if cfg.mla:
+        return hf_deepseek.MODEL_TYPE
     if cfg.moe is None:
         return "llama"
     if cfg.qk_norm:
@@ -87,7 +93,9 @@ def _refusals(cfg: TransformerConfig, target: str) -> list[tuple[bool, str]]:
            (cfg.mup_base_hidden_size is not None, f"model.mup_base_hidden_size "
             f"({cfg.mup_base_hidden_size}) is set but HF {name} has no muP attention scale (1/d) "
             "or output multiplier; fix: train with mup_base_hidden_size null")]
-    moe = cfg.moe
+    moe, deepseek = cfg.moe, target == hf_deepseek.MODEL_TYPE
+    if deepseek:
+        out += hf_deepseek.refusals(cfg)
     if moe is None:
         return out
     out += [
@@ -98,14 +106,16 @@ def _refusals(cfg: TransformerConfig, target: str) -> list[tuple[bool, str]]:
         (moe.router_jitter != 0, f"model.moe.router_jitter ({moe.router_jitter}) != 0 but HF "
          f"{name}'s router_jitter_noise also scales the experts' inputs, not only the router's "
          "(Qwen has none); fix: train with router_jitter 0"),
-        (moe.expert_bias, f"model.moe.score_function ({moe.score_function}) / "
+        (moe.expert_bias and not deepseek, f"model.moe.score_function ({moe.score_function}) / "
          f"expert_bias_update_rate ({moe.expert_bias_update_rate}): HF {name} routes by softmax "
          "with no expert bias; fix: train with score_function softmax and rate 0"),
-        (moe.routed_scaling_factor != 1.0, f"model.moe.routed_scaling_factor "
+        (moe.routed_scaling_factor != 1.0 and not deepseek, f"model.moe.routed_scaling_factor "
          f"({moe.routed_scaling_factor}) != 1 but HF {name} does not scale the combine weights"),
-        (moe.n_group > 1, f"model.moe.n_group ({moe.n_group}) > 1 but HF {name} has no "
-         "group-limited routing; fix: train with n_group 1"),
+        (moe.n_group > 1 and not deepseek, f"model.moe.n_group ({moe.n_group}) > 1 "
+         f"but HF {name} has no group-limited routing; fix: train with n_group 1"),
     ]
+    if deepseek:
+        return out
     if target != "mixtral":
         return out + hf_qwen.qwen_refusals(cfg, target)
     return out + [
@@ -139,13 +149,14 @@ def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> 
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        attention_dropout=0.0, dtype=dtype)
+        rope_parameters=hf_deepseek._rope_parameters(cfg), attention_dropout=0.0, dtype=dtype)
     if target == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     moe = cfg.moe
     common.update(router_aux_loss_coef=hf_aux_loss_coef(moe.aux_loss_coef, moe.top_k),
                   **{Z_LOSS_ATTR: moe.z_loss_coef})
+    if target == hf_deepseek.MODEL_TYPE:
+        return hf_deepseek.to_config(cfg, common)
     if target != "mixtral":
         return hf_qwen.to_qwen_config(cfg, target, common)
     # No dense blocks (refused above): HF's intermediate_size is the experts' inner size.
@@ -184,11 +195,7 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
     if getattr(hf_config, "attention_dropout", 0.0):
         refuse("attention_dropout", hf_config.attention_dropout, "our attention has no dropout; set 0.0")
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-    rope_type = rope.pop("rope_type", "default")
     rope_theta = rope.pop("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    if rope_type != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse("rope_parameters", hf_config.rope_parameters, "our RoPE has no scaling; use a checkpoint "
-               "with rope_type 'default'")
     max_seq_len = hf_config.max_position_embeddings
     common = dict(
         vocab_size=hf_config.vocab_size, hidden_size=h, num_layers=hf_config.num_hidden_layers,
@@ -196,7 +203,8 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
         ffn_hidden_size=hf_config.intermediate_size, max_seq_len=max_seq_len,
         rope_theta=float(rope_theta), norm_eps=hf_config.rms_norm_eps,
         tie_embeddings=bool(hf_config.tie_word_embeddings), init_std=hf_config.initializer_range,
-        attn_head_dim=None if head_dim in (None, h // heads) else head_dim)
+        attn_head_dim=None if head_dim in (None, h // heads) else head_dim,
+        **hf_deepseek.rope_fields(rope, refuse))
     if model_type == "llama":
         return CONFIG_CLASSES["dense"](**common).validate()
 
@@ -209,6 +217,9 @@ def from_hf_config(hf_config: PretrainedConfig) -> TransformerConfig:
         refuse("router_jitter_noise", hf_config.router_jitter_noise, "HF's jitter also scales the "
                "experts' inputs; set it to 0.0 (our router-only jitter is model.moe.router_jitter)")
     moe_defaults = CONFIG_CLASSES["mixtral"]().moe
+    if model_type == hf_deepseek.MODEL_TYPE:
+        return hf_deepseek.from_config(hf_config, common, refuse, moe_defaults.z_loss_coef,
+                                       Z_LOSS_ATTR).validate()
     losses = dict(  # The inverse of hf_aux_loss_coef: the same weighted loss as transformers'.
         aux_loss_coef=float(hf_config.router_aux_loss_coef) * hf_config.num_experts_per_tok,
         z_loss_coef=float(getattr(hf_config, Z_LOSS_ATTR, moe_defaults.z_loss_coef)))
@@ -264,6 +275,8 @@ def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) ->
     renames = _renames(cfg)
     shapes = _reference_shapes(cfg)
     _check_keys(our_sd, shapes, "state dict")
+    if cfg.mla:                                     # DeepSeek's interleaved rotary rows
+        our_sd = hf_deepseek.permute_rope_rows(cfg, our_sd, to_interleaved=True)
     out = {}
     for name, t in our_sd.items():
         _check_shape(name, t, shapes[name], "state dict")
@@ -285,12 +298,14 @@ def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) ->
     return out
 
 
-def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor],
+                       rope_interleave: bool = False) -> dict[str, torch.Tensor]:
     """A transformers Llama/Mixtral/Qwen*MoeForCausalLM state dict (the in-memory layout, as
     ``model.state_dict()`` holds it) -> ours (contiguous tensors).
 
     ``lm_head.weight`` is dropped when the embeddings are tied; legacy ``rotary_emb.inv_freq``
-    buffers are ignored.
+    buffers are ignored. ``rope_interleave``: DeepSeek-V3's config flag (its rotary rows are
+    permuted to ours, ``interop/hf_deepseek.py``).
     """
     hf_sd = {k: v for k, v in hf_sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_embeddings:
@@ -316,6 +331,8 @@ def from_hf_state_dict(cfg: TransformerConfig, hf_sd: dict[str, torch.Tensor]) -
     _check_keys(out, shapes, "HF checkpoint (in our names)")
     for name, t in out.items():
         _check_shape(name, t, shapes[name], "HF checkpoint (in our names)")
+    if cfg.mla and rope_interleave:
+        out = hf_deepseek.permute_rope_rows(cfg, out, to_interleaved=False)
     return out
 
 

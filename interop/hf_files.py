@@ -156,7 +156,7 @@ def import_hf(hf_dir: Path, out_dir: Path):
     cfg = hf.from_hf_config(hf_config)
     log(f"converting {hf_config.model_type} -> family {cfg.family} "
         f"({cfg.num_params() / 1e6:.1f}M parameters)")
-    our_sd = hf.from_hf_state_dict(cfg, hf_sd)
+    our_sd = hf.from_hf_state_dict(cfg, hf_sd, getattr(hf_config, "rope_interleave", False))
     log(f"writing {out_dir}" + ("" if tokenizer is not None else " (no tokenizer in --hf)"))
     hf.save_init_dir(Path(out_dir), cfg, our_sd, tokenizer)
     return cfg

@@ -12,153 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from model.checks import check_int, is_int
+from model.moe.config import MoEConfig, mixtral_moe, switch_moe
+
+__all__ = ["CONFIG_CLASSES", "FAMILIES", "DenseConfig", "MixtralConfig", "MoEConfig", "SwitchConfig",
+           "TransformerConfig", "check_int", "config_from_dict", "is_int"]
+
 FAMILIES = ("dense", "switch", "mixtral")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts FFN settings shared by the Switch and Mixtral families."""
-
-    num_experts: int = 8
-    """Experts per MoE layer."""
-    top_k: int = 2
-    """Experts each token is routed to."""
-    capacity_factor: float | None = None
-    """Training capacity factor; None = dropless, a number = ceil(k*T/E*cf) slots per expert."""
-    eval_capacity_factor: float | None = None
-    """Capacity factor in eval mode (Switch uses a larger one than in training)."""
-    normalize_top_k: bool = True
-    """Renormalize the top-k probabilities to sum to 1 (Mixtral); Switch keeps the raw probability."""
-    router_jitter: float = 0.0
-    """Multiplicative uniform noise U(1-eps, 1+eps) on the router input in training (Switch: 0.01)."""
-    aux_loss_coef: float = 0.01
-    """Weight of the load-balancing loss (Switch paper alpha = 1e-2)."""
-    z_loss_coef: float = 0.001
-    """Weight of the router z-loss (ST-MoE c_z = 1e-3)."""
-    moe_layer_freq: int = 1
-    """Every moe_layer_freq-th block has an MoE FFN (blocks freq-1, 2*freq-1, ...); the rest are MLPs."""
-    first_k_dense: int = 0
-    """The first first_k_dense blocks have a dense MLP whatever moe_layer_freq says (DeepSeek-V3: 3)."""
-    expert_ffn_hidden_size: int | None = None
-    """Inner size of each routed expert; null = model.ffn_hidden_size (fine-grained experts: smaller)."""
-    score_function: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: softmax over the experts (Switch, Mixtral) or one sigmoid per expert (DeepSeek-V3)."""
-    routed_scaling_factor: float = 1.0
-    """Factor on the combine weights, applied after any renormalization (DeepSeek-V3: 2.5)."""
-    n_group: int = 1
-    """Equal groups the experts are split into for group-limited routing; 1 = no groups."""
-    topk_group: int = 1
-    """Groups each token may use, the best by the sum of each group's top-2 scores (with n_group > 1)."""
-    balance_over: Literal["micro_batch", "global_batch"] = "micro_batch"
-    """Tokens the load-balancing loss counts: each micro-batch's (over ep), or the step's so far on every rank."""
-    dispatch_dtype: Literal["bf16", "fp8"] | None = None
-    """Expert-parallel all-to-all payload: null = as computed; bf16; fp8 (e4m3, per-row scale, out only)."""
-    expert_bias_update_rate: float = 0.0
-    """Loss-free balancing: after each step bias_i += rate * sign(mean load - load_i); 0 = off."""
-    num_shared_experts: int = 0
-    """Always-on SwiGLU experts beside the routed ones, run as one FFN (DeepSeek, Qwen2-MoE); 0 = none."""
-    shared_expert_ffn_hidden_size: int | None = None
-    """Inner size of that shared FFN; null = num_shared_experts x the routed experts' inner size."""
-    shared_expert_gate: bool = False
-    """Scale the shared FFN's output per token by sigmoid(x @ w_gate) (Qwen2-MoE)."""
-
-    @property
-    def global_balance(self) -> bool:
-        return self.balance_over == "global_batch"
-
-    @property
-    def expert_bias(self) -> bool:
-        """Whether each router holds ``e_score_correction_bias``: with sigmoid scores (DeepSeek-V3
-        keeps one, also frozen) or with loss-free balancing on."""
-        return self.score_function == "sigmoid" or self.expert_bias_update_rate > 0
-
-    def shared_ffn_size(self, expert_ffn_size: int) -> int:
-        """Inner size of the shared FFN (0 without shared experts), given the routed experts'."""
-        if not self.num_shared_experts:
-            return 0
-        return self.shared_expert_ffn_hidden_size or self.num_shared_experts * expert_ffn_size
-
-    def capacity(self, num_tokens: int, training: bool) -> int | None:
-        """Slots per expert for ``num_tokens`` routed tokens, or None when dropless."""
-        cf = self.capacity_factor if training else self.eval_capacity_factor
-        if cf is None or math.isinf(cf):
-            return None
-        return math.ceil(self.top_k * num_tokens / self.num_experts * cf)
-
-    def validate(self, prefix: str = "model.moe") -> None:
-        for name in ("num_experts", "top_k", "moe_layer_freq"):
-            check_int(f"{prefix}.{name}", getattr(self, name))
-        check_int(f"{prefix}.first_k_dense", self.first_k_dense, low=0)
-        check_int(f"{prefix}.expert_ffn_hidden_size", self.expert_ffn_hidden_size, optional=True)
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"{prefix}.top_k ({self.top_k}) exceeds {prefix}.num_experts ({self.num_experts}): "
-                f"choose top_k <= num_experts")
-        for name in ("capacity_factor", "eval_capacity_factor"):
-            cf = getattr(self, name)
-            if cf is not None and not cf > 0:
-                raise ValueError(f"{prefix}.{name} ({cf}) must be > 0, or null for dropless routing")
-        if not 0.0 <= self.router_jitter < 1.0:
-            raise ValueError(f"{prefix}.router_jitter ({self.router_jitter}) must be in [0, 1)")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{prefix}.{name} ({getattr(self, name)}) must be >= 0")
-        self._validate_routing(prefix)
-        self._validate_shared(prefix)
-
-    def _validate_routing(self, prefix: str) -> None:
-        if self.dispatch_dtype not in (None, "bf16", "fp8"):
-            raise ValueError(f"{prefix}.dispatch_dtype ({self.dispatch_dtype!r}) must be null, bf16 or fp8")
-        if self.balance_over not in ("micro_batch", "global_batch"):
-            raise ValueError(f"{prefix}.balance_over ({self.balance_over!r}) must be micro_batch or global_batch")
-        if self.score_function not in ("softmax", "sigmoid"):
-            raise ValueError(f"{prefix}.score_function ({self.score_function!r}) must be softmax or sigmoid")
-        if not 0 < self.routed_scaling_factor < math.inf:
-            raise ValueError(f"{prefix}.routed_scaling_factor ({self.routed_scaling_factor}) must be "
-                             f"a finite number > 0 (1.0 leaves the combine weights as they are)")
-        if not 0 <= self.expert_bias_update_rate < math.inf:
-            raise ValueError(f"{prefix}.expert_bias_update_rate ({self.expert_bias_update_rate}) must "
-                             f"be a finite number >= 0 (0 turns loss-free balancing off)")
-        for name in ("n_group", "topk_group"):
-            check_int(f"{prefix}.{name}", getattr(self, name))
-        e, groups, kept = self.num_experts, self.n_group, self.topk_group
-        if e % groups:
-            raise ValueError(f"{prefix}.num_experts ({e}) is not divisible by {prefix}.n_group "
-                             f"({groups}): choose n_group dividing num_experts")
-        if groups > 1 and e // groups < 2:
-            raise ValueError(f"{prefix}.n_group ({groups}) leaves {e // groups} expert per group; a "
-                             f"group is scored by its top-2 experts: choose n_group <= num_experts/2")
-        if kept > groups:
-            raise ValueError(f"{prefix}.topk_group ({kept}) exceeds {prefix}.n_group ({groups}): "
-                             f"choose topk_group <= n_group")
-        if self.top_k > kept * (e // groups):
-            raise ValueError(f"{prefix}.top_k ({self.top_k}) exceeds the {kept * (e // groups)} experts "
-                             f"of the topk_group ({kept}) kept groups: raise topk_group or lower top_k")
-
-    def _validate_shared(self, prefix: str) -> None:
-        check_int(f"{prefix}.num_shared_experts", self.num_shared_experts, low=0)
-        check_int(f"{prefix}.shared_expert_ffn_hidden_size", self.shared_expert_ffn_hidden_size,
-                  optional=True)
-        if not self.num_shared_experts:
-            for name in ("shared_expert_ffn_hidden_size", "shared_expert_gate"):
-                if getattr(self, name):
-                    raise ValueError(f"{prefix}.{name} ({getattr(self, name)}) is set but "
-                                     f"{prefix}.num_shared_experts is 0: set num_shared_experts "
-                                     f">= 1 or remove {name}")
-
-
-def _switch_moe() -> MoEConfig:
-    # Switch Transformer (Fedus et al. 2021): top-1, raw probability as combine weight, train
-    # capacity 1.25 and eval 2.0 (the paper's Table 1 / ST-MoE values), jitter 1e-2, MoE every
-    # other FFN.
-    return MoEConfig(num_experts=8, top_k=1, capacity_factor=1.25, eval_capacity_factor=2.0,
-                     normalize_top_k=False, router_jitter=0.01, moe_layer_freq=2)
-
-
-def _mixtral_moe() -> MoEConfig:
-    # Mixtral (Jiang et al. 2024): 8 experts, top-2 renormalized, dropless, MoE in every block.
-    return MoEConfig(num_experts=8, top_k=2, capacity_factor=None, eval_capacity_factor=None,
-                     normalize_top_k=True, router_jitter=0.0, moe_layer_freq=1)
 
 
 @dataclass(frozen=True)
@@ -194,6 +54,32 @@ class TransformerConfig:
     """Per-head RMSNorm (head_dim weights) on q and k before RoPE (Qwen3, Qwen3-MoE)."""
     qkv_bias: bool = False
     """Bias on the q, k and v projections, not on o_proj (Qwen2, Qwen2-MoE)."""
+    attention: Literal["gqa", "mla"] = "gqa"
+    """gqa: grouped-query attention; mla: DeepSeek's multi-head latent attention (model/mla.py)."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query's low-rank projection (with its norm); null = one full q_proj."""
+    kv_lora_rank: int | None = None
+    """MLA: width of the compressed key-value latent (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key dims without RoPE, from the latent (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query dims with RoPE; the key's are one head shared by all (DeepSeek-V3: 64)."""
+    v_head_dim: int | None = None
+    """MLA: per-head value dims (DeepSeek-V3: 128)."""
+    rope_scaling: Literal["yarn"] | None = None
+    """null: plain RoPE; yarn: YaRN context extension by rope_factor (model/rope.py)."""
+    rope_factor: float = 1.0
+    """YaRN: the context stretch over rope_original_max_seq_len (DeepSeek-V3: 40)."""
+    rope_original_max_seq_len: int | None = None
+    """YaRN: the context the RoPE was trained at before the stretch (DeepSeek-V3: 4096)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: dims turning more than this often over the original context keep their frequency."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: dims turning less than this often over the original context are interpolated."""
+    yarn_mscale: float | None = None
+    """YaRN: cos/sin x mscale(f, this) / mscale(f, yarn_mscale_all_dim) when both set, else x mscale(f)."""
+    yarn_mscale_all_dim: float | None = None
+    """YaRN with MLA: softmax scale x mscale(rope_factor, this)^2 (DeepSeek-V3: 1.0); null = x 1."""
     moe: MoEConfig | None = None
     """MoE settings; None for dense."""
     mup_base_hidden_size: int | None = None
@@ -204,6 +90,20 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.attention == "mla"
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims each query and key head rotates: head_dim, or MLA's qk_rope_head_dim."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head: head_dim, or MLA's qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
     def expert_ffn_size(self) -> int:
@@ -245,6 +145,8 @@ class TransformerConfig:
                 f"({self.num_kv_heads}): choose num_kv_heads dividing num_heads")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
+        self._validate_mla()
+        self._validate_rope_scaling()
         if self.moe is not None:
             self.moe.validate()
             if self.moe.first_k_dense and not self.num_moe_layers:
@@ -253,6 +155,49 @@ class TransformerConfig:
                     f"the model.num_layers ({self.num_layers}) with moe_layer_freq "
                     f"({self.moe.moe_layer_freq}): lower first_k_dense or add layers")
         return self
+
+    def _validate_mla(self) -> None:
+        keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"model.attention ({self.attention!r}) must be gqa or mla")
+        if not self.mla:
+            for name in keys:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} ({getattr(self, name)}) is an MLA key but "
+                                     f"model.attention is gqa: set model.attention: mla or remove {name}")
+            return
+        for name in keys:
+            check_int(f"model.{name}", getattr(self, name), optional=name == "q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
+        for name, bad, fix in (
+                ("num_kv_heads", self.num_kv_heads != self.num_heads, f"set it to model.num_heads "
+                 f"({self.num_heads}): every MLA head has its own key and value"),
+                ("attn_head_dim", self.attn_head_dim is not None, "remove it: MLA's widths are "
+                 "qk_nope_head_dim, qk_rope_head_dim and v_head_dim"),
+                ("qk_norm", self.qk_norm, "set it to false: MLA normalizes its latents instead"),
+                ("qkv_bias", self.qkv_bias, "set it to false: MLA has no q/k/v biases"),
+                ("mup_base_hidden_size", self.mup_base_hidden_size is not None, "set it to null: "
+                 "muP's 1/d attention scale is defined for gqa only")):
+            if bad:
+                raise ValueError(f"model.{name} ({getattr(self, name)}) does not go with "
+                                 f"model.attention mla: {fix}")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling not in (None, "yarn"):
+            raise ValueError(f"model.rope_scaling ({self.rope_scaling!r}) must be null or yarn")
+        if self.rope_scaling is None:
+            if self.rope_factor != 1.0 or self.rope_original_max_seq_len is not None:
+                raise ValueError("model.rope_factor / rope_original_max_seq_len are set but "
+                                 "model.rope_scaling is null: set model.rope_scaling: yarn or remove them")
+            return
+        check_int("model.rope_original_max_seq_len", self.rope_original_max_seq_len)
+        if not 1.0 <= self.rope_factor < math.inf:
+            raise ValueError(f"model.rope_factor ({self.rope_factor}) must be a number >= 1 (YaRN's "
+                             f"stretch of the context)")
+        if not 0 < self.yarn_beta_slow < self.yarn_beta_fast:
+            raise ValueError(f"model.yarn_beta_slow ({self.yarn_beta_slow}) and yarn_beta_fast "
+                             f"({self.yarn_beta_fast}) must satisfy 0 < beta_slow < beta_fast (32 and 1)")
 
     @property
     def shared_params(self) -> int:
@@ -264,10 +209,25 @@ class TransformerConfig:
 
     @property
     def attention_params(self) -> int:
-        """Parameters of one block's attention: q, k, v, o and any qkv biases and q/k norms."""
+        """Parameters of one block's attention: q, k, v, o and any qkv biases and q/k norms; for
+        MLA the down- and up-projections, the two latent norms and o."""
+        h, nh = self.hidden_size, self.num_heads
+        if self.mla:
+            qr, kvr = self.q_lora_rank, self.kv_lora_rank
+            q = h * qr + qr + qr * nh * self.qk_head_dim if qr else h * nh * self.qk_head_dim
+            kv = h * (kvr + self.qk_rope_head_dim) + kvr + kvr * nh * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + nh * self.v_head_dim * h
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return (self.hidden_size * (2 * q + 2 * kv) + (q + 2 * kv if self.qkv_bias else 0)
                 + (2 * self.head_dim if self.qk_norm else 0))
+
+    @property
+    def attention_matmul_params(self) -> int:
+        """The matmul weights of one block's attention (``attention_params`` without the q/k or
+        latent norms and the biases): what a token's FLOPs count."""
+        if self.mla:
+            return self.attention_params - (self.q_lora_rank or 0) - self.kv_lora_rank
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count; ``active=True`` counts only the experts a token is routed to."""
@@ -315,7 +275,7 @@ class SwitchConfig(TransformerConfig):
     num_kv_heads: int = 12
     ffn_hidden_size: int = 3072
     max_seq_len: int = 512
-    moe: MoEConfig = field(default_factory=_switch_moe)
+    moe: MoEConfig = field(default_factory=switch_moe)
 
 
 @dataclass(frozen=True)
@@ -330,7 +290,7 @@ class MixtralConfig(TransformerConfig):
     ffn_hidden_size: int = 14336
     max_seq_len: int = 32768
     rope_theta: float = 1e6
-    moe: MoEConfig = field(default_factory=_mixtral_moe)
+    moe: MoEConfig = field(default_factory=mixtral_moe)
 
 
 CONFIG_CLASSES: dict[str, type[TransformerConfig]] = {
@@ -357,16 +317,3 @@ def _check_keys(d: dict, cls, prefix: str) -> None:
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown key {prefix}.{unknown[0]} (known: {', '.join(sorted(known))})")
-
-
-def is_int(value, low: int | None = None) -> bool:
-    """Whether ``value`` is an int (a bool is not) and, with ``low``, at least ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
-
-
-def check_int(name: str, value, low: int = 1, optional: bool = False) -> None:
-    """Raise the one-line error for a count that is not an integer >= ``low`` (None allowed
-    when ``optional``): ``train.steps (0) must be an integer >= 1``."""
-    if (value is None and optional) or is_int(value, low):
-        return
-    raise ValueError(f"{name} ({value!r}) must be an integer >= {low}" + (" or null" if optional else ""))

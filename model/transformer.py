@@ -20,73 +20,17 @@ from model.checkpointing import CheckpointPolicy
 from model import mup
 from model.config import TransformerConfig
 from model.document_mask import attend, attention_inputs, document_ids
+from model.mla import MLAttention
 from model.moe.layer import MoEAux, MoELayer, load_balancing_losses
-from model.parallel.grad_sync import ReplicaGradSync, sum_grad_over
+from model.parallel.grad_sync import ReplicaGradSync
+from model.norm import RMSNorm
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    column_parallel_linears, cross_entropy_sum, init_from_full,
-                                   kv_heads_for_rank, replicated)
+                                   kv_heads_for_rank)
+from model.rope import apply_rope, rotary_for
 
 IGNORE_INDEX = -100
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32 (as transformers' LlamaRMSNorm) over the last dim;
-    its weight is replicated on every model-parallel rank, and its gradient summed over the ranks
-    that see different tokens (ep; tp too under sequence parallelism) or, as a per-head q/k norm
-    (``per_head``), different heads (ep and tp: tensor parallelism splits the heads)."""
-
-    def __init__(self, hidden_size: int, eps: float, groups: ParallelGroups | None = None,
-                 per_head: bool = False):
-        super().__init__()
-        self.groups = groups or ParallelGroups()
-        self.weight = replicated(nn.Parameter(torch.ones(hidden_size)), groups)
-        over_tp = per_head or self.groups.sequence_parallel
-        sum_grad_over(self.weight, groups, "ep", *(("tp",) if over_tp else ()))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE tables in the "rotate half" layout that HF Llama/Mixtral weights assume."""
-
-    def __init__(self, head_dim: int, theta: float):
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        # Not persistent: derived from config, and kept fp32 even when the engine casts params.
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
-        return 1.0 / self.theta ** exponents                                             # (hd/2,)
-
-    def reset(self) -> None:
-        """Recompute the frequencies in fp32: a build that creates every floating tensor in the
-        training dtype (DeepSpeed's ``zero.Init`` under bf16) has rounded them."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
-
-    def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype,
-                positions: torch.Tensor | None = None):
-        """cos, sin for positions 0..S-1, (S, hd); or for (B, S) ``positions``, (B, 1, S, hd)."""
-        if positions is not None:            # per document (model/document_mask.py)
-            inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
-            freqs = positions.float()[:, None, :, None] * inv_freq                     # (B, 1, S, hd/2)
-            emb = torch.cat((freqs, freqs), dim=-1)                                     # (B, 1, S, hd)
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(device=device, dtype=torch.float32))  # (S, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                                          # (S, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, nh, S, hd); cos/sin: (S, hd), or (B, 1, S, hd) per document."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -169,7 +113,7 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
-        self.self_attn = Attention(cfg, groups)
+        self.self_attn = MLAttention(cfg, groups) if cfg.mla else Attention(cfg, groups)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
@@ -298,7 +242,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, groups) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = rotary_for(cfg)
         self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
         if init_seed is not None:
             self.reset_parameters(init_seed)

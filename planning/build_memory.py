@@ -31,12 +31,12 @@ def largest_draw(cfg: TransformerConfig, layout: Layout) -> int:
     """Elements alive while the build draws its largest parameter: each rank draws only the
     blocks of its tp/ep shard, one tile at a time, into the shard (``model/parallel/draw.py``),
     so this rank's shard plus one tile (its rows, columns or expert slice of one block).
-    Candidates: the vocabulary rows, the query projection, an MLP projection, one stacked
+    Candidates: the vocabulary rows, the query (MLA: query up-) projection, an MLP projection, one stacked
     expert projection (E, H, I) and a shared-expert projection."""
     h, f, fe, tp = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size, layout.tp
-    q = cfg.num_heads * cfg.head_dim
+    q, q_in = cfg.num_heads * cfg.qk_head_dim, (cfg.q_lora_rank or h) if cfg.mla else h
     kinds = [(math.ceil(cfg.vocab_size / tp) * h, block_length(cfg.vocab_size) * h),
-             (q // tp * h, block_length(q) * h), (h * (f // tp), h * block_length(f))]
+             (q // tp * q_in, block_length(q) * q_in), (h * (f // tp), h * block_length(f))]
     if cfg.moe is not None:
         e, fs = cfg.moe.num_experts, cfg.moe.shared_ffn_size(fe)
         kinds += [(e // layout.ep * h * (fe // tp), h * block_length(fe))]      # tiles of one expert

@@ -39,6 +39,8 @@ class Shape:
     shared_gate: bool = False       # a sigmoid gate (h weights) on the shared experts' output
     first_dense: int = 0            # leading dense layers before the MoE ones
     moe_every: int = 1
+    attn_params: int = 0            # attention matmul weights per layer when not GQA's (MLA); 0: GQA
+    v_head_dim: int = 0             # value width per head when not head_dim (MLA); 0: head_dim
 
     @classmethod
     def from_config(cls, cfg: TransformerConfig) -> "Shape":
@@ -49,14 +51,16 @@ class Shape:
                          shared_ffn=moe.shared_ffn_size(cfg.expert_ffn_size),   # all shared, in all
                          shared_gate=bool(moe.num_shared_experts and moe.shared_expert_gate),
                          first_dense=moe.first_k_dense, moe_every=moe.moe_layer_freq)
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        if cfg.mla:      # head_dim: the query-key width; every head has its own key and value
+            extra.update(attn_params=cfg.attention_matmul_params, v_head_dim=cfg.v_head_dim)
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.qk_head_dim,
                    cfg.ffn_hidden_size, cfg.vocab_size, **extra)
 
     def matmul_params_per_token(self) -> float:
         """Matmul weights a token passes through: attention, the FFN or its k experts with the
         router and shared experts, and the output head (the input embedding is a lookup)."""
         h, up = self.hidden, 3 if self.gated else 2
-        attn = h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        attn = self.attn_params or h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         total = self.vocab * h
         for i in range(self.layers):
             total += attn
@@ -72,7 +76,7 @@ class Shape:
         3 L s (w_qk + w_v) (causal: the mask halves the score and value products) or 6 L s
         (w_qk + w_v) (whole), w = heads x the query-key and value widths (6 L h s and 12 L h s when
         they are the hidden size; ``training.hardware.train_flops_per_token``)."""
-        width = 2 * self.heads * self.head_dim          # query-key and value widths, equal here
+        width = self.heads * (self.head_dim + (self.v_head_dim or self.head_dim))   # w_qk + w_v
         return 6.0 * self.matmul_params_per_token() + (3.0 if causal else 6.0) * \
             self.layers * width * seq_len
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
 from model.parallel.dims import ParallelDims
+from planning.attention_memory import mla_activation_bytes, mla_local_params
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32, INT64 = 4, 8
@@ -156,6 +157,8 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
     q = h * (cfg.num_heads // tp) * hd
     attn = (2 * q + 2 * h * kv_local * hd + 2 * h                     # q, o, k, v, two norms
             + (cfg.num_heads // tp + 2 * kv_local) * hd * cfg.qkv_bias + 2 * hd * cfg.qk_norm)
+    if cfg.mla:   # heads split over tp; down-projections and latent norms replicated
+        attn, q = mla_local_params(cfg, tp)
     vocab = math.ceil(cfg.vocab_size / tp) * h
     expert = other = 0
     largest = q
@@ -232,9 +235,12 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
     kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
     qk_norm = cfg.qk_norm * (heads + kv_used) * (norm_bytes(hd, a) - a * hd)   # not the product
+    attention = 2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads + qk_norm
+    if cfg.mla:
+        attention = mla_activation_bytes(cfg, a, heads, tp, sp)
     out = {"norm1": tokens * norm_bytes(h, a, tp, sp),
            "norm2": tokens * norm_bytes(h, a, tp, sp, moe_input=cfg.is_moe_layer(layer)),
-           "attention": tokens * (2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads + qk_norm)}
+           "attention": tokens * attention}
     if not cfg.is_moe_layer(layer):
         out["mlp"] = tokens * 4 * a * f / tp
         return out
@@ -375,26 +381,3 @@ def buffer_bytes(zero: dict, stage: int, a: int, psi_local: float, largest_modul
     if _offloaded(z, "offload_optimizer"):       # the step runs on the CPU copy
         out["optimizer_step"] = 0.0
     return out
-
-
-def saved_activation_bytes(model, input_ids, labels) -> int:
-    """Measured counterpart of ``activation_bytes``: bytes of the distinct storages autograd
-    saved during one forward and still holds at its end (a graph that was detached, e.g. router
-    entropy, is freed), parameters excluded."""
-    import weakref
-
-    import torch
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, list] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen.setdefault(storage.data_ptr(), []).append((weakref.ref(t), storage.nbytes()))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids, labels)
-    alive = [v for v in seen.values() if any(ref() is not None for ref, _ in v)]
-    del out
-    return sum(max(n for _, n in v) for v in alive)

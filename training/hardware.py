@@ -51,7 +51,7 @@ def matmul_params_per_token(cfg: TransformerConfig) -> int:
     """Matmul parameters a token passes through: attention, the MLP or the k routed experts plus
     the router and any shared experts, and the output head (not the input embedding, a lookup)."""
     h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
-    attn = h * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    attn = cfg.attention_matmul_params
     total = cfg.vocab_size * h            # output head
     for i in range(cfg.num_layers):
         total += attn
@@ -66,7 +66,10 @@ def attention_widths(cfg: TransformerConfig) -> tuple[int, int]:
     """(heads x query-key width, heads x value width): the widths of the attention scores'
     product (Q K^T) and of the weighted sum of the values (P V), per token. Both are
     ``num_heads x head_dim`` here, which is ``hidden_size`` only when ``attn_head_dim`` is unset
-    (Qwen3-30B-A3B: 32 x 128 = 4096 against hidden 2048)."""
+    (Qwen3-30B-A3B: 32 x 128 = 4096 against hidden 2048); with MLA the query-key width is
+    qk_nope_head_dim + qk_rope_head_dim and the value width v_head_dim (DeepSeek-V3: 192, 128)."""
+    if cfg.mla:
+        return cfg.num_heads * cfg.qk_head_dim, cfg.num_heads * cfg.v_head_dim
     return cfg.num_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
 
 

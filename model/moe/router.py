@@ -8,8 +8,10 @@ All MoE families use this one function; their differences are config values:
     DeepSeek-V3: sigmoid per expert -> + bias (choice only) -> best topk_group of n_group groups
                  -> top-k within them -> renormalize the k unbiased scores -> x routed_scaling_factor
 
-The router runs in fp32 whatever the model dtype ("selective precision", Switch Transformer
-section 2.4): a bf16 softmax over experts is what made the paper's bf16 runs diverge.
+By default (``model.moe.router_dtype: fp32``) the router runs in fp32 whatever the model dtype
+("selective precision", Switch Transformer section 2.4): a bf16 softmax over experts is what
+made the paper's bf16 runs diverge. ``router_dtype: bf16`` runs it in bf16 instead, whatever
+the model dtype, for comparison (``route``'s ``dtype`` says what is in which precision).
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ _MASK64 = (1 << 64) - 1
 class Routing:
     """One routing decision for T tokens over E experts, k choices each."""
 
-    logits: torch.Tensor        # (T, E) fp32 router logits
+    logits: torch.Tensor        # (T, E) fp32 router logits (bf16 values with a bf16 router)
     probs: torch.Tensor         # (T, E) fp32 scores normalized over the experts (softmax: itself)
     expert_idx: torch.Tensor    # (T, k) int64 chosen experts, best first
-    weights: torch.Tensor       # (T, k) fp32 combine weights
+    weights: torch.Tensor       # (T, k) fp32 combine weights (bf16 values with a bf16 router)
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: bool,
           noise: torch.Tensor | None = None, score_function: str = "softmax",
           bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
-          scaling: float = 1.0) -> Routing:
+          scaling: float = 1.0, dtype: torch.dtype = torch.float32) -> Routing:
     """Route tokens to experts.
 
     Args:
@@ -59,14 +61,28 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
             each scored by the sum of its two best (biased) scores; the top-k is taken within
             the topk_group best groups.
         scaling: factor on the combine weights, after the renormalization.
+        dtype: the router's precision (``MoEConfig.router_dtype``). ``torch.float32`` (the
+            default): all router math in fp32, as below. ``torch.bfloat16``: the input (jitter
+            applied in fp32 first, then rounded once) and the weight are cast to bf16, and the
+            logits matmul, the softmax or sigmoid (and the sigmoid's normalization), the top-k
+            choice, the renormalization and the scaling all run on bf16 tensors (the kernels
+            accumulate in fp32 inside, as bf16 kernels do; every result is rounded to bf16), and
+            so does their backward. Only at the end are ``logits``, ``probs`` and ``weights``
+            cast to fp32 containers, exactly (they hold bf16 values): the z-loss, the balance
+            loss, the router statistics and the combine step then work on those values in fp32,
+            as with the fp32 router. The expert bias stays fp32 (bf16 scores + fp32 bias choose
+            in fp32). This is the router Switch Transformer's selective precision takes out
+            of bf16 (section 2.4, Table 2: bf16 throughout diverged, bf16 with the router in
+            fp32 trained), put back in bf16 alone, the rest of the model as it is.
 
     Returns:
-        The routing decision, all router math in fp32.
+        The routing decision, all router math in ``dtype`` (fp32 by default).
     """
-    x32 = x.float()
+    xr = x.float()
     if noise is not None:
-        x32 = x32 * noise
-    logits = F.linear(x32, gate_weight.float())                  # (T, E) fp32
+        xr = xr * noise
+    # (``.to(torch.float32)`` of an fp32 tensor is the tensor itself: the default is the fp32 router.)
+    logits = F.linear(xr.to(dtype), gate_weight.to(dtype))       # (T, E) in dtype
     if score_function == "softmax":
         scores = probs = torch.softmax(logits, dim=-1)           # (T, E)
     else:
@@ -84,6 +100,8 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, normalize: boo
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
     if scaling != 1.0:
         weights = weights * scaling
+    if dtype != torch.float32:                                   # exact: bf16 values, fp32 tensors
+        logits, probs, weights = logits.float(), probs.float(), weights.float()
     return Routing(logits=logits, probs=probs, expert_idx=expert_idx, weights=weights)
 
 
@@ -189,11 +207,13 @@ def _mix(base: int, index: int) -> int:
 class TopKRouter(nn.Module):
     """The router's (E, H) weight, its optional expert bias, and ``route`` as one module.
 
-    The weight is only read inside this module's ``forward``, and ``forward`` returns plain
-    tensors: ZeRO-3 gathers a partitioned parameter around its module's forward and, for the
-    backward, hooks the module's tensor outputs (it cannot see tensors inside a dataclass).
-    In training with ``jitter > 0`` the input is scaled by ``jitter_noise`` (see there for how
-    the noise stays the same on every tp rank and under recomputation).
+    The weight is a parameter of the model's dtype whatever ``moe.router_dtype``: ``route`` casts
+    it (and the input) to ``math_dtype`` for its math. The weight is only read inside this
+    module's ``forward``, and ``forward`` returns plain tensors: ZeRO-3 gathers a partitioned
+    parameter around its module's forward and, for the backward, hooks the module's tensor
+    outputs (it cannot see tensors inside a dataclass). In training with ``jitter > 0`` the
+    input is scaled by ``jitter_noise`` (see there for how the noise stays the same on every tp
+    rank and under recomputation).
 
     With ``moe.expert_bias`` the router holds ``e_score_correction_bias`` (E,), a persistent fp32
     buffer, zeros at init, replicated on every rank: it shifts the scores that choose the
@@ -214,6 +234,7 @@ class TopKRouter(nn.Module):
         self.weight = sum_grad_over(replicated(nn.Parameter(torch.empty(moe.num_experts, hidden_size)),
                                                groups), groups, "ep")
         self.moe, self.top_k, self.jitter = moe, moe.top_k, moe.router_jitter
+        self.math_dtype = torch.bfloat16 if moe.router_dtype == "bf16" else torch.float32
         bias = torch.zeros(moe.num_experts, dtype=torch.float32) if moe.expert_bias else None
         self.register_buffer("e_score_correction_bias", bias)
 
@@ -236,7 +257,8 @@ class TopKRouter(nn.Module):
         self.e_score_correction_bias.add_(step, alpha=rate)
 
     def forward(self, x: torch.Tensor, first_sample: int = 0, num_samples: int = 1):
-        """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32). ``x`` holds
+        """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32 tensors; the
+        math in ``moe.router_dtype``, see ``route``). ``x`` holds
         ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
         micro-batch (for the jitter noise)."""
         noise = None
@@ -245,5 +267,5 @@ class TopKRouter(nn.Module):
         moe = self.moe
         r = route(x, self.weight, self.top_k, moe.normalize_top_k, noise, moe.score_function,
                   self.e_score_correction_bias, moe.n_group, moe.topk_group,
-                  moe.routed_scaling_factor)
+                  moe.routed_scaling_factor, self.math_dtype)
         return r.logits, r.probs, r.expert_idx, r.weights

@@ -149,14 +149,36 @@ def test_export_then_import_is_identity(tmp_path, monkeypatch, name):
         our_loss = _our_loss(ours, ids)
     assert abs(hf_loss.item() - our_loss.item()) <= TOL
 
+    assert json.loads(_reimport(hf_dir, init_dir, ours, cfg).read_text()) == cfg.to_dict()
+
+
+def _assert_export_loss(hf_dir, ours, cls, tokenizer) -> str:
+    """The exported folder loads as ``cls`` with its tokenizer (``tokenizer``'s ids), and its loss
+    on a text plus random ids is ours (TOL); returns the text."""
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    assert type(hf_model) is cls
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)(text, return_tensors="pt").input_ids
+    assert ids.tolist() == tokenizer(text, return_tensors="pt").input_ids.tolist() and ids.shape[1] > 4
+    ids = torch.cat((ids, _ids(vocab=ours.cfg.vocab_size, shape=(1, 16), seed=7)), dim=1)
+    with torch.no_grad():
+        hf_loss = hf_model(ids, labels=ids).loss        # HF shifts the labels itself
+        our_loss = _our_loss(ours, ids)
+    assert abs(hf_loss.item() - our_loss.item()) <= TOL
+    return text
+
+
+def _reimport(hf_dir, init_dir, ours, cfg):
+    """``convert_hf.py import`` of an export gives ``cfg`` and ``ours``' weights bit for bit;
+    returns the init dir's model_config.json (the tokenizer, if any, is the caller's to check)."""
     assert convert_hf.main(["import", "--hf", str(hf_dir), "--out", str(init_dir)]) == 0
     cfg2, sd2, _ = hf_interop.load_init_dir(init_dir)
     assert cfg2 == cfg
-    assert json.loads((init_dir / "model_config.json").read_text()) == cfg.to_dict()
     sd = ours.state_dict()
     assert sd.keys() == sd2.keys()
     for k, v in sd.items():
         assert torch.equal(v, sd2[k]), k
+    return init_dir / "model_config.json"
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 4])

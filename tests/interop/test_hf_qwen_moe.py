@@ -19,15 +19,14 @@ import json
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from interop import hf as hf_interop
 from launch import convert_hf
 from model.config import MixtralConfig, MoEConfig
 from model.transformer import Transformer
-from tests.interop.test_convert_hf import (_assert_same_logits, _error_line, _fake_run, _ids, _our_loss, _randomize,
-                                           _tiny_tokenizer)
+from tests.interop.test_convert_hf import (_assert_export_loss, _assert_same_logits, _error_line, _fake_run,
+                                           _randomize, _reimport, _tiny_tokenizer)
 
 TOL = 1e-5
 HF_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -105,24 +104,10 @@ def test_export_then_import_is_identity(tmp_path, monkeypatch, kind):
 
     assert json.loads((hf_dir / "config.json").read_text())["model_type"] == kind
     assert (hf_dir / "model.safetensors").is_file()
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
-    assert type(hf_model) is HF_KINDS[kind][0]
-    text = "the quick brown fox jumps over the lazy dog"
-    ids = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)(text, return_tensors="pt").input_ids
-    assert ids.tolist() == tokenizer(text, return_tensors="pt").input_ids.tolist() and ids.shape[1] > 4
-    ids = torch.cat((ids, _ids(vocab=320, shape=(1, 16), seed=7)), dim=1)
-    with torch.no_grad():
-        hf_loss = hf_model(ids, labels=ids).loss        # HF shifts the labels itself
-        our_loss = _our_loss(ours, ids)
-    assert abs(hf_loss.item() - our_loss.item()) <= TOL
-
-    assert convert_hf.main(["import", "--hf", str(hf_dir), "--out", str(init_dir)]) == 0
-    cfg2, sd2, tok2 = hf_interop.load_init_dir(init_dir)
-    assert cfg2 == cfg and tok2(text)["input_ids"] == tokenizer(text)["input_ids"]
-    sd = ours.state_dict()
-    assert sd.keys() == sd2.keys()
-    for k, v in sd.items():
-        assert torch.equal(v, sd2[k]), k
+    text = _assert_export_loss(hf_dir, ours, HF_KINDS[kind][0], tokenizer)
+    _reimport(hf_dir, init_dir, ours, cfg)
+    tok2 = hf_interop.load_init_dir(init_dir)[2]
+    assert tok2(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
 # --------------------------------------------------------------------------- refusals

@@ -45,6 +45,11 @@ def configs() -> dict:
         "mixtral": MixtralConfig(**SIZES, moe=moe, document_separator_id=SEP).validate(),
         "qwen3": MixtralConfig(**SIZES, moe=moe, attn_head_dim=16, qk_norm=True, qkv_bias=True,
                                document_separator_id=SEP).validate(),
+        # DeepSeek's multi-head latent attention (model/mla.py) with a query latent and YaRN.
+        "mla": MixtralConfig(**{**SIZES, "num_kv_heads": 4}, moe=moe, attention="mla", q_lora_rank=12,
+                             kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                             rope_scaling="yarn", rope_factor=2.0, rope_original_max_seq_len=8,
+                             yarn_mscale_all_dim=1.0, document_separator_id=SEP).validate(),
     }
 
 

@@ -11,7 +11,8 @@ import torch
 from model import DenseConfig, MixtralConfig, Transformer
 from model import mup
 from model.config import MoEConfig
-from model.transformer import Attention, RotaryEmbedding
+from model.rope import RotaryEmbedding
+from model.transformer import Attention
 from training.optim import optimizers
 from training.optim import schedules
 

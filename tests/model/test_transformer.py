@@ -36,7 +36,7 @@ def test_forward_shapes_and_loss_definition(cls):
 
 @pytest.mark.parametrize("policy", ["full", "attention", "moe", "experts", "every_k:2"])
 def test_activation_checkpointing_gives_identical_gradients(policy):
-    from planning.memory_model import saved_activation_bytes
+    from planning.measured import saved_activation_bytes
     torch.manual_seed(0)
     cfg = MixtralConfig(**SIZES).validate()
     ref, ck = Transformer(cfg), Transformer(cfg)

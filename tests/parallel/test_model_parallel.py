@@ -23,6 +23,8 @@ from tests.distributed import run_ranks
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=48, max_seq_len=16, init_std=0.2)
 TOL = dict(rtol=1e-5, atol=1e-5)
+MLA = dict(SIZES, num_kv_heads=4, attention="mla", kv_lora_rank=10, qk_nope_head_dim=6,
+           qk_rope_head_dim=4, v_head_dim=5)
 
 
 def _configs():
@@ -49,6 +51,15 @@ def _configs():
         "qwen2": MixtralConfig(**{**SIZES, "num_kv_heads": 1}, qkv_bias=True, moe=MoEConfig(
             num_experts=4, top_k=2, normalize_top_k=False, num_shared_experts=1,
             shared_expert_gate=True, **moe)).validate(),
+        # DeepSeek-V3's multi-head latent attention with its routing, a query latent, YaRN x2,
+        # and one ungated shared expert after a dense block; and MLA without a query latent on
+        # the dense family.
+        "mla": MixtralConfig(**MLA, q_lora_rank=12, rope_scaling="yarn", rope_factor=2.0,
+                             rope_original_max_seq_len=8, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+                             moe=MoEConfig(num_experts=8, top_k=2, score_function="sigmoid", n_group=4,
+                                           topk_group=2, routed_scaling_factor=2.5, first_k_dense=1,
+                                           num_shared_experts=1, **moe)).validate(),
+        "dense_mla": DenseConfig(**MLA).validate(),
     }
 
 
@@ -152,6 +163,8 @@ def _two_ranks(rank, world):
     _check(cfgs["deepseek"], ep2, "ep2/deepseek/moe-checkpointing", "moe")
     _check(cfgs["qwen3"], ep2, "ep2/qwen3")
     _check(cfgs["qwen2"], ep2, "ep2/qwen2")
+    _check(cfgs["mla"], ep2, "ep2/mla")
+    _check(cfgs["mla"], sp, "tp2-sp/mla/attention-checkpointing", "attention")
     rr = build_groups(ep=2, expert_placement="round_robin")
     _check(cfgs["mixtral"], rr, "ep2-round-robin/mixtral")
     # Each ep rank holds different experts; placements differ as documented.
@@ -205,6 +218,7 @@ def _four_ranks(rank, world):
     _check(cfgs["mixtral"], sp, "tp2xep2-sp/mixtral")
     _check(cfgs["deepseek"], sp, "tp2xep2-sp/deepseek")
     _check(cfgs["qwen3"], sp, "tp2xep2-sp/qwen3")
+    _check(cfgs["mla"], sp, "tp2xep2-sp/mla")
     _check(cfgs["switch"], sp, "tp2xep2-sp/switch")
     # Rank-as-data: group sums of the rank ids name the members.
     def total(group):

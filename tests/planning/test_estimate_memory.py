@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from planning.memory_model import saved_activation_bytes
+from planning.measured import saved_activation_bytes
 
 from launch import estimate_memory
 from tests.distributed import free_port
@@ -152,7 +152,8 @@ def one_thread():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("policy", ["none", "full", "experts"])
-@pytest.mark.parametrize("family", ["tiny_dense", "tiny_mixtral", "tiny_qwen3_moe", "tiny_deepseek_moe"])
+@pytest.mark.parametrize("family", ["tiny_dense", "tiny_mixtral", "tiny_qwen3_moe", "tiny_deepseek_moe",
+                                    "tiny_deepseek_v3"])
 def test_activation_bytes_match_saved_tensors(family, policy, dtype, one_thread):
     from model import Transformer
     recipe = load_recipe(REPO / "recipes" / f"{family}.yaml")
@@ -176,7 +177,7 @@ def _tp2_saved_bytes(rank, world, out_path):
     from model.parallel.groups import build_groups
     torch.set_num_threads(1)
     rows = []
-    for family in ("tiny_dense", "tiny_mixtral"):
+    for family in ("tiny_dense", "tiny_mixtral", "tiny_deepseek_v3"):
         recipe = load_recipe(REPO / "recipes" / f"{family}.yaml")
         cfg, batch, seq = recipe.model, 4, recipe.seq_len
         for sp in (False, True):

@@ -16,6 +16,7 @@ import torch
 from model import Transformer
 from model.parallel.groups import ParallelGroups
 from planning import memory_model as mm
+from planning.measured import saved_activation_bytes
 from planning.build_memory import largest_draw
 from training.config.recipe import load_recipe
 
@@ -25,13 +26,19 @@ SHARED = ["model.moe.score_function=sigmoid", "model.moe.n_group=4", "model.moe.
           "model.moe.shared_expert_gate=true"]
 
 
+MLA = ["model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=12"]
+
+
 def _recipe(extra=()):
     return load_recipe(REPO / "recipes" / "tiny_mixtral.yaml", SHARED + list(extra))
 
 
+@pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)])
-def test_local_params_equal_the_built_model(tp, ep, pp):
-    cfg = _recipe().model
+def test_local_params_equal_the_built_model(tp, ep, pp, mla):
+    """Also with multi-head latent attention (model/mla.py): heads split, latents whole."""
+    cfg = _recipe(MLA if mla else ()).model
     assert cfg.num_params() == sum(p.numel() for p in Transformer(cfg, init_seed=None).parameters())
     layout = mm.Layout(tp * ep * pp, tp=tp, ep=ep, pp=pp)
     with torch.device("meta"):
@@ -61,7 +68,7 @@ def test_activation_bytes_with_shared_experts_match_saved_tensors(policy, dtype)
         model = Transformer(cfg).to(dtype).train()
         model.set_activation_checkpointing(policy)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-        measured = mm.saved_activation_bytes(model, ids, ids)
+        measured = saved_activation_bytes(model, ids, ids)
     finally:
         torch.set_num_threads(threads)
     a = 4 if dtype == torch.float32 else 2

@@ -16,10 +16,10 @@ from model.config import DenseConfig, MixtralConfig, SwitchConfig
 
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
 TINY = ("tiny_dense.yaml", "tiny_switch.yaml", "tiny_mixtral.yaml", "tiny_qwen3_moe.yaml",
-        "tiny_deepseek_moe.yaml")
+        "tiny_deepseek_moe.yaml", "tiny_deepseek_v3.yaml")
 EXPECTED = {*TINY, "dense_125m.yaml", "dense_1p3b.yaml", "dense_7b.yaml", "switch_base_8.yaml",
             "switch_base_128.yaml", "mixtral_8x7b.yaml", "mixtral_8x22b.yaml", "qwen3_30b_a3b.yaml",
-            "deepseek_v3_style.yaml"}
+            "deepseek_v3_style.yaml", "deepseek_v3.yaml", "kimi_k2.yaml", "moonlight_16b_a3b.yaml"}
 MULTINODE_SCRIPTS = ("launch/multinode_hostfile.sh", "launch/slurm_8x8.sbatch")
 
 
@@ -89,6 +89,10 @@ PUBLISHED = [
     ("mixtral_8x7b.yaml", 46.7e9, 12.9e9, 0.01),
     ("mixtral_8x22b.yaml", 141e9, 39e9, 0.01),
     ("qwen3_30b_a3b.yaml", 30.5e9, 3.3e9, 0.02),       # Qwen3 model card: 30.5B / 3.3B
+    ("deepseek_v3.yaml", 671e9, 37e9, 0.02),          # DeepSeek-V3 report: 671B / 37B (ours 37.6B
+                                                      # counts the output head: 36.6B without it)
+    ("kimi_k2.yaml", 1.04e12, 32e9, 0.03),            # Kimi K2 card: 1.04T / 32B
+    ("moonlight_16b_a3b.yaml", 16e9, 3e9, 0.03),      # Moonlight card: 16B / 3B
 ]
 
 
@@ -268,8 +272,10 @@ def test_every_dataclass_field_has_a_one_line_docstring():
     """Every recipe section's fields, and the model's (``model.*`` and ``model.moe.*`` keys; the
     family subclasses only override defaults)."""
     from model import config as model_config
+    from model.moe import config as moe_config
     trees = [(ast.parse(Path(schema.__file__).read_text()), None),
-             (ast.parse(Path(model_config.__file__).read_text()), {"MoEConfig", "TransformerConfig"})]
+             (ast.parse(Path(model_config.__file__).read_text()), {"TransformerConfig"}),
+             (ast.parse(Path(moe_config.__file__).read_text()), {"MoEConfig"})]
     classes = [n for tree, names in trees for n in tree.body
                if isinstance(n, ast.ClassDef) and (names is None or n.name in names)]
     assert {"MoEConfig", "TransformerConfig"} <= {c.name for c in classes}

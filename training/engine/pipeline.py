@@ -72,7 +72,8 @@ from model.parallel.grad_sync import ReplicaGradSync
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
 from model.checkpointing import CheckpointPolicy
 from model.document_mask import attention_inputs, document_ids
-from model.transformer import (IGNORE_INDEX, Block, RMSNorm, RotaryEmbedding, expert_parallel_rows,
+from model.rope import rotary_for
+from model.transformer import (IGNORE_INDEX, Block, RMSNorm, expert_parallel_rows,
                                init_weights, sequence_length)
 
 
@@ -128,7 +129,7 @@ class BlockPipe(nn.Module):
         block = Block(cfg, layer_idx, groups)
         block.set_checkpointing(policy)
         self.layers = nn.ModuleDict({str(layer_idx): block})
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary = rotary_for(cfg)
         self.checkpoint_whole = layer_idx in policy.whole_blocks(cfg.num_layers)
         self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_idx))   # row in the stats
         self.moe_stats: list = []       # detached MoEAux fields per micro-batch, for the trainer
