@@ -90,6 +90,8 @@ def _refusals(cfg: TransformerConfig, target: str) -> list[tuple[bool, str]]:
             "q/k norms; fix: train with qk_norm false"),
            (cfg.qkv_bias and target in ("llama", "mixtral"), f"model.qkv_bias is true but HF "
             f"{name}'s attention_bias also biases o_proj; fix: train with qkv_bias false"),
+           (cfg.mtp_depth > 0 and target != hf_deepseek.MODEL_TYPE, f"model.mtp_depth ({cfg.mtp_depth}) > 0 "
+            f"but HF {name} has no multi-token-prediction layers; fix: export with --drop-mtp"),
            (cfg.mup_base_hidden_size is not None, f"model.mup_base_hidden_size "
             f"({cfg.mup_base_hidden_size}) is set but HF {name} has no muP attention scale (1/d) "
             "or output multiplier; fix: train with mup_base_hidden_size null")]
@@ -280,6 +282,8 @@ def to_hf_state_dict(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) ->
     out = {}
     for name, t in our_sd.items():
         _check_shape(name, t, shapes[name], "state dict")
+        if name.startswith("mtp."):
+            continue                                    # not a module of HF's model (hf_deepseek.mtp_to_files)
         if name.endswith("mlp.experts.up_proj"):
             continue                                                   # fused with gate_proj
         if name.endswith("mlp.experts.gate_proj"):

@@ -40,6 +40,8 @@ MODEL_TYPE = "deepseek_v3"
 # Where our MoE loss coefficients ride in config.json (transformers' DeepSeek-V3 has no aux loss;
 # DeepSeek's own config calls its balance-loss weight aux_loss_alpha).
 AUX_ATTR = "aux_loss_alpha"
+# Our MTP loss weight rides in config.json under this name (transformers ignores it).
+MTP_COEF_ATTR = "mtp_loss_coef"
 
 
 def refusals(cfg: TransformerConfig) -> list[tuple[bool, str]]:
@@ -88,8 +90,8 @@ def to_config(cfg: TransformerConfig, common: dict) -> PretrainedConfig:
         norm_topk_prob=moe.normalize_top_k, routed_scaling_factor=moe.routed_scaling_factor,
         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
         qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim, attention_bias=False, num_nextn_predict_layers=0,
-        **{AUX_ATTR: moe.aux_loss_coef})
+        v_head_dim=cfg.v_head_dim, attention_bias=False, num_nextn_predict_layers=cfg.mtp_depth,
+        **{AUX_ATTR: moe.aux_loss_coef, MTP_COEF_ATTR: cfg.mtp_loss_coef})
 
 
 def rope_fields(rope: dict, refuse) -> dict:
@@ -143,7 +145,8 @@ def from_config(hf_config, common: dict, refuse, z_default: float, z_attr: str) 
     return CONFIG_CLASSES["mixtral"](
         **common, moe=moe, attention="mla", q_lora_rank=hf_config.q_lora_rank,
         kv_lora_rank=hf_config.kv_lora_rank, qk_nope_head_dim=hf_config.qk_nope_head_dim,
-        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim)
+        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
+        mtp_loss_coef=float(getattr(hf_config, MTP_COEF_ATTR, 0.3)))   # mtp_depth: set by the import
 
 
 def _rope_rows(cfg: TransformerConfig, name: str, rows: int) -> torch.Tensor | None:
@@ -174,3 +177,60 @@ def permute_rope_rows(cfg: TransformerConfig, sd: dict[str, torch.Tensor],
             t[groups.flatten()] = t[groups[:, perm].flatten()]
         out[name] = t
     return out
+
+
+# --------------------------------------------------------------------------- multi-token prediction
+
+def mtp_to_files(cfg: TransformerConfig, our_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our MTP modules (``mtp.<k>.*``, model/mtp.py) as DeepSeek's checkpoints keep them: depth
+    k + 1 as ``model.layers.<num_layers + k>.`` with ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` (ours ``norm``), the block's tensors by their names, the experts one
+    tensor each (the on-disk layout of the main layers), and its own copies of the embedding and
+    the output head (``embed_tokens``, ``shared_head.head``; ours shares the model's)."""
+    sd = permute_rope_rows(cfg, {n: t for n, t in our_sd.items() if n.startswith("mtp.")}, to_interleaved=True)
+    head = our_sd.get("lm_head.weight", our_sd["embed_tokens.weight"])
+    out = {}
+    for k in range(cfg.mtp_depth):
+        src, dst = f"mtp.{k}.", f"model.layers.{cfg.num_layers + k}."
+        out[dst + "embed_tokens.weight"] = our_sd["embed_tokens.weight"]
+        out[dst + "shared_head.head.weight"] = head
+        for name, t in sd.items():
+            if not name.startswith(src):
+                continue
+            rest = name[len(src):].removeprefix("block.")
+            if rest == "norm.weight":
+                rest = "shared_head.norm.weight"
+            if rest.startswith("mlp.experts."):          # (E, H, I) / (E, I, H), x @ W -> W @ x each
+                for j in range(t.shape[0]):
+                    out[f"{dst}mlp.experts.{j}.{rest.split('.')[-1]}.weight"] = t[j].t()
+            else:
+                out[dst + rest] = t
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def mtp_from_files(cfg: TransformerConfig, files: dict[str, torch.Tensor],
+                   rope_interleave: bool) -> dict[str, torch.Tensor]:
+    """The inverse of ``mtp_to_files`` for ``cfg.mtp_depth`` depths (the embedding and head
+    copies dropped: ours shares the model's); rotary rows permuted when ``rope_interleave``."""
+    out, experts = {}, {}
+    for k in range(cfg.mtp_depth):
+        src, dst = f"model.layers.{cfg.num_layers + k}.", f"mtp.{k}."
+        for name, t in files.items():
+            if not name.startswith(src):
+                continue
+            rest = name[len(src):]
+            if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                continue
+            if rest.startswith("mlp.experts."):          # mlp.experts.<j>.<proj>.weight
+                _, _, j, proj, _ = rest.split(".")
+                experts.setdefault(f"{dst}block.mlp.experts.{proj}", {})[int(j)] = t.t()
+            elif rest in ("enorm.weight", "hnorm.weight", "eh_proj.weight"):
+                out[dst + rest] = t
+            elif rest == "shared_head.norm.weight":
+                out[dst + "norm.weight"] = t
+            else:
+                out[f"{dst}block.{rest}"] = t
+    for name, per_expert in experts.items():
+        out[name] = torch.stack([per_expert[j] for j in sorted(per_expert)])
+    out = {n: t.contiguous() for n, t in out.items()}
+    return permute_rope_rows(cfg, out, to_interleaved=False) if rope_interleave else out

@@ -1,21 +1,29 @@
 """Reading and writing transformers (Hugging Face) checkpoint folders.
 
 ``export_hf`` writes our model as ``LlamaForCausalLM`` / ``MixtralForCausalLM`` /
-``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` (safetensors, the class ``hf.hf_model_type``
-picks) plus its tokenizer; ``import_hf`` reads a local folder of any of them into an init dir
-for ``train.py --init-from``. The config and weight-name mapping is ``interop/hf.py``. Used by
-``launch/convert_hf.py``.
+``Qwen2MoeForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM`` (safetensors, the
+class ``hf.hf_model_type`` picks) plus its tokenizer; ``import_hf`` reads a local folder of any of
+them into an init dir for ``train.py --init-from``. The config and weight-name mapping is
+``interop/hf.py``. Used by ``launch/convert_hf.py``.
+
+Multi-token prediction (DeepSeek-V3): transformers' model has no MTP layers, so the export adds
+them to the saved files after ``save_pretrained``, where DeepSeek's checkpoints keep them
+(``hf_deepseek.mtp_to_files``; transformers then warns of unexpected keys and ignores them), and
+the import reads them from the files directly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from interop import hf
+from interop import hf, hf_deepseek
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -28,7 +36,8 @@ def log(message: str) -> None:
 
 # --------------------------------------------------------------------------- export
 
-def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.float32):
+def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.float32,
+              drop_mtp: bool = False):
     """Write ``model`` as a transformers checkpoint folder (safetensors) plus its tokenizer.
 
     Args:
@@ -37,6 +46,7 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
         tokenizer: a transformers tokenizer, saved beside the weights (None to skip).
         out_dir: target folder (created).
         dtype: dtype of the saved weights.
+        drop_mtp: leave the multi-token-prediction modules out (``model.mtp_depth``).
 
     Returns:
         The HF model that was saved.
@@ -47,6 +57,8 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    if drop_mtp:
+        cfg = dataclasses.replace(cfg, mtp_depth=0)
     hf_config = hf.to_hf_config(cfg, dtype=dtype)       # refuses before any work
     if tokenizer is not None:
         # Llama's defaults (bos 1, eos 2) belong to Llama's tokenizer, not ours.
@@ -54,7 +66,8 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
             setattr(hf_config, name, getattr(tokenizer, name, None))
     log(f"converting {cfg.family} weights to {type(hf_config).__name__.removesuffix('Config')}"
         f"ForCausalLM layout ({str(dtype).removeprefix('torch.')})")
-    our_sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()}
+    our_sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()
+              if cfg.mtp_depth or not k.startswith("mtp.")}
     hf_sd = hf.to_hf_state_dict(cfg, our_sd)
     with no_init_weights():                                      # weights come from hf_sd
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -63,9 +76,39 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
     log(f"writing {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(str(out_dir), safe_serialization=True)
+    if cfg.mtp_depth:
+        _add_tensors(out_dir, hf_deepseek.mtp_to_files(cfg, our_sd))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return hf_model
+
+
+def _add_tensors(out_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add ``tensors`` to the safetensors ``save_pretrained`` wrote: into the single file, or as
+    one more shard listed in the index."""
+    index = out_dir / "model.safetensors.index.json"
+    if index.is_file():
+        name = "model-mtp.safetensors"
+        save_file(tensors, str(out_dir / name), metadata={"format": "pt"})
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: name for k in tensors})
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return
+    path = out_dir / "model.safetensors"
+    save_file({**load_file(str(path)), **tensors}, str(path), metadata={"format": "pt"})
+
+
+def _mtp_tensors(hf_dir: Path, layers: int, depth: int) -> dict[str, torch.Tensor]:
+    """The tensors of DeepSeek's MTP layers (``model.layers.<layers>`` on) in ``hf_dir``'s
+    safetensors files, which transformers does not load."""
+    prefixes = tuple(f"model.layers.{layers + k}." for k in range(depth))
+    out = {}
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key.startswith(prefixes):
+                    out[key] = f.get_tensor(key)
+    return out
 
 
 def verify_export(model, out_dir: Path, num_tokens: int = 16) -> float:
@@ -154,9 +197,18 @@ def import_hf(hf_dir: Path, out_dir: Path):
     log(f"loading {hf_dir}")
     hf_config, hf_sd, tokenizer = read_hf_dir(Path(hf_dir))
     cfg = hf.from_hf_config(hf_config)
+    interleave = getattr(hf_config, "rope_interleave", False)
+    our_sd = hf.from_hf_state_dict(cfg, hf_sd, interleave)
+    depth = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+    mtp = _mtp_tensors(Path(hf_dir), cfg.num_layers, depth) if cfg.mla and depth else {}
+    if mtp:                                   # DeepSeek's multi-token prediction modules
+        cfg = dataclasses.replace(cfg, mtp_depth=depth).validate()
+        our_sd.update(hf_deepseek.mtp_from_files(cfg, mtp, interleave))
+    elif depth and cfg.mla:
+        log(f"config.json num_nextn_predict_layers is {depth} but the files hold no MTP layers: "
+            f"importing without MTP")
     log(f"converting {hf_config.model_type} -> family {cfg.family} "
         f"({cfg.num_params() / 1e6:.1f}M parameters)")
-    our_sd = hf.from_hf_state_dict(cfg, hf_sd, getattr(hf_config, "rope_interleave", False))
     log(f"writing {out_dir}" + ("" if tokenizer is not None else " (no tokenizer in --hf)"))
     hf.save_init_dir(Path(out_dir), cfg, our_sd, tokenizer)
     return cfg

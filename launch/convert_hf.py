@@ -46,10 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", type=Path, required=True, help="folder to write (HF format)")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="saved weight dtype")
     exp.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    exp.add_argument("--drop-mtp", action="store_true",
+                     help="leave the multi-token-prediction modules (model.mtp_depth) out of the export")
     exp.add_argument("--verify", action="store_true",
                      help="reload --out with AutoModelForCausalLM and print the max logit difference")
     imp = sub.add_parser("import", help="transformers checkpoint folder -> init dir for --init-from")
-    imp.add_argument("--hf", type=Path, required=True, help="local Llama/Mixtral/Qwen2-MoE/Qwen3-MoE folder")
+    imp.add_argument("--hf", type=Path, required=True,
+                     help="local Llama/Mixtral/Qwen2-MoE/Qwen3-MoE/DeepSeek-V3 folder")
     imp.add_argument("--out", type=Path, required=True, help="init dir to write")
     imp.add_argument("--force", action="store_true", help="write into a non-empty --out")
     return parser
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             from interop.consolidate import load_run_model
             model, cfg, tokenizer = load_run_model(args.run_dir)
             log(f"loaded {args.run_dir}")         # after the checks: a bad --run-dir is one line
-            export_hf(model, cfg, tokenizer, args.out, DTYPES[args.dtype])
+            export_hf(model, cfg, tokenizer, args.out, DTYPES[args.dtype], args.drop_mtp)
             if args.verify:
                 log(f"verify: max |logit difference| vs our fp32 model {verify_export(model, args.out):.3g} "
                     f"(fp32: ~1e-6; bfloat16 weights: ~1e-2)")

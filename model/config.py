@@ -80,6 +80,10 @@ class TransformerConfig:
     """YaRN: cos/sin x mscale(f, this) / mscale(f, yarn_mscale_all_dim) when both set, else x mscale(f)."""
     yarn_mscale_all_dim: float | None = None
     """YaRN with MLA: softmax scale x mscale(rope_factor, this)^2 (DeepSeek-V3: 1.0); null = x 1."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules after the model, each one token further (model/mtp.py; DeepSeek-V3: 1)."""
+    mtp_loss_coef: float = 0.3
+    """Weight of the MTP loss, the mean over depths (DeepSeek-V3: 0.3, later 0.1)."""
     moe: MoEConfig | None = None
     """MoE settings; None for dense."""
     mup_base_hidden_size: int | None = None
@@ -118,8 +122,16 @@ class TransformerConfig:
         return (layer_idx + 1) % self.moe.moe_layer_freq == 0
 
     @property
+    def moe_block_ids(self) -> list[int]:
+        """The blocks with an MoE FFN, in order: the model's, then the MTP modules' (block
+        ``num_layers + d`` for depth d, as DeepSeek numbers its MTP layer)."""
+        blocks = range(self.num_layers + self.mtp_depth)
+        return [i for i in blocks if self.is_moe_layer(i)]
+
+    @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        """MoE layers with a router, the MTP modules' included."""
+        return len(self.moe_block_ids)
 
     def validate(self) -> "TransformerConfig":
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -147,6 +159,9 @@ class TransformerConfig:
             raise ValueError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
         self._validate_mla()
         self._validate_rope_scaling()
+        check_int("model.mtp_depth", self.mtp_depth, low=0)
+        if not 0 <= self.mtp_loss_coef < math.inf:
+            raise ValueError(f"model.mtp_loss_coef ({self.mtp_loss_coef}) must be a finite number >= 0")
         if self.moe is not None:
             self.moe.validate()
             if self.moe.first_k_dense and not self.num_moe_layers:
@@ -230,12 +245,17 @@ class TransformerConfig:
         return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     def num_params(self, active: bool = False) -> int:
-        """Parameter count; ``active=True`` counts only the experts a token is routed to."""
+        """Parameter count; ``active=True`` counts only the experts a token is routed to. The MTP
+        modules (their blocks, two input norms, (H, 2H) projection and final norm; they share the
+        embedding and the head) count in the total, not in the active count, as DeepSeek reports
+        V3 (685B with MTP; 37B activated without)."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         attn = self.attention_params + 2 * h                     # and the block's two norms
         mlp = 3 * h * f
         total = self.vocab_size * h * (1 if self.tie_embeddings else 2) + h
-        for i in range(L):
+        mtp = 0 if active else self.mtp_depth
+        total += mtp * (2 * h * h + 3 * h)
+        for i in range(L + mtp):
             if self.is_moe_layer(i):
                 experts = self.moe.top_k if active else self.moe.num_experts
                 total += (attn + experts * 3 * h * self.expert_ffn_size + h * self.moe.num_experts

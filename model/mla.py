@@ -43,29 +43,14 @@ from model.config import TransformerConfig
 from model.document_mask import attend
 from model.norm import RMSNorm
 from model.parallel import weight_grad
-from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
-from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, check_tp_divides,
-                                   column_parallel_linears, enter_tp_region, replicated)
+from model.parallel.layers import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
+                                   check_tp_divides, column_parallel_linears, enter_tp_region)
 from model.rope import apply_rope, yarn_softmax_factor
 
 # The latent norms' epsilon: DeepSeek's reference code and transformers use RMSNorm's default
 # 1e-6 there, not the model's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-
-
-class LatentProjection(nn.Module):
-    """A down-projection ``x W^T`` whose (out, in) weight every tp rank holds whole and applies
-    to the tokens it holds; its gradient is summed over ep, and over tp under sequence
-    parallelism (the ranks see different tokens), as a norm's."""
-
-    def __init__(self, in_features: int, out_features: int, groups: ParallelGroups):
-        super().__init__()
-        self.weight = replicated(nn.Parameter(torch.empty(out_features, in_features)), groups)
-        sum_grad_over(self.weight, groups, "ep", *(("tp",) if groups.sequence_parallel else ()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_grad.linear(x, self.weight)
 
 
 class MLAttention(nn.Module):
@@ -83,12 +68,12 @@ class MLAttention(nn.Module):
         self.q_rank, self.kv_rank = cfg.q_lora_rank, cfg.kv_lora_rank
         qk = self.nope + self.rope
         if self.q_rank:
-            self.q_a_proj = LatentProjection(h, self.q_rank, g)
+            self.q_a_proj = ReplicatedLinear(h, self.q_rank, g)
             self.q_a_layernorm = RMSNorm(self.q_rank, LATENT_NORM_EPS, g)
             self.q_b_proj = ColumnParallelLinear(self.q_rank, nh * qk, g)
         else:
             self.q_proj = ColumnParallelLinear(h, nh * qk, g)
-        self.kv_a_proj_with_mqa = LatentProjection(h, self.kv_rank + self.rope, g)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_rank + self.rope, g)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, LATENT_NORM_EPS, g)
         self.kv_b_proj = ColumnParallelLinear(self.kv_rank, nh * (self.nope + self.v_dim), g)
         self.o_proj = RowParallelLinear(nh * self.v_dim, h, g)

@@ -13,146 +13,26 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from model.checkpointing import CheckpointPolicy
 from model import mup
 from model.config import TransformerConfig
-from model.document_mask import attend, attention_inputs, document_ids
-from model.mla import MLAttention
-from model.moe.layer import MoEAux, MoELayer, load_balancing_losses
+from model.block import Attention, Block, MLP
+from model.document_mask import attention_inputs, document_ids
+from model.moe.layer import MoEAux, load_balancing_losses
+from model.mtp import MTPModule, depth_targets, shifted
 from model.parallel.grad_sync import ReplicaGradSync
 from model.norm import RMSNorm
 from model.parallel.groups import ParallelGroups
-from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   column_parallel_linears, cross_entropy_sum, init_from_full,
-                                   kv_heads_for_rank)
-from model.rope import apply_rope, rotary_for
+from model.parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum,
+                                   init_from_full)
+from model.rope import rotary_for
 
 IGNORE_INDEX = -100
 
-
-class Attention(nn.Module):
-    """Causal grouped-query attention through ``F.scaled_dot_product_attention``; with a
-    ``mask`` (document masking), only within each packed document (``model/document_mask.py``).
-
-    Tensor parallelism splits the query heads over tp, and the kv heads too (or, with fewer kv
-    heads than tp ranks, each rank keeps the one kv head its query heads use); ``o_proj`` is row
-    parallel, so the block's output is summed over tp once. Under sequence parallelism the input
-    is this rank's (B, S/tp, H) shard: it is gathered once for q, k and v, and the output is
-    reduce-scattered back to a shard. Optional (Qwen): q/k/v biases, split with their output
-    rows, and a per-head RMSNorm on q and k before RoPE, whose (hd,) weights every tp rank holds
-    whole and applies to its own heads (gradient summed over tp; see ``RMSNorm``).
-    """
-
-    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None):
-        super().__init__()
-        g = groups or ParallelGroups()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.head_dim = cfg.num_heads // g.tp, hd       # local query heads
-        kv_heads, self.kv_select = kv_heads_for_rank(cfg.num_kv_heads, g)
-        kv_rows = [h * hd + i for h in kv_heads for i in range(hd)]
-        self.num_kv_heads = len(kv_heads)                              # kv heads held here
-        bias = cfg.qkv_bias
-        self.q_proj = ColumnParallelLinear(h, cfg.num_heads * hd, g, bias=bias)
-        self.k_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows, bias=bias)
-        self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * hd, g, out_index=kv_rows, bias=bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * hd, h, g)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
-        self.groups = g
-        self.scale = mup.attention_scale(cfg)          # None: SDPA's 1/sqrt(hd)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mask=None) -> torch.Tensor:
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = column_parallel_linears(           # one gradient all-reduce for q, k and v
-            x, [p.weight for p in projs], self.groups)
-        if self.q_proj.bias is not None:               # (nh*hd/tp,) ... this rank's rows
-            q, k, v = (t + p.bias for t, p in zip((q, k, v), projs))
-        B, S, _ = q.shape                              # S: the whole sequence, also under SP
-        q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
-        k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
-        v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
-        if self.kv_select is not None:    # fewer kv heads than tp ranks: use ours
-            k = k[:, self.kv_select:self.kv_select + 1]
-            v = v[:, self.kv_select:self.kv_select + 1]
-        if self.q_norm is not None:                    # per head, over hd
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        gqa = k.shape[1] != self.num_heads
-        if mask is None:                               # one causal sequence per row
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        else:                                          # packed documents apart
-            y = attend(q, k, v, mask, self.scale, gqa)
-        y = y.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)               # (B, S, nh*hd)
-        return self.o_proj(y)
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``; gate/up column parallel, down row
-    parallel over tp."""
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, groups: ParallelGroups | None = None):
-        super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
-        self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, groups)
-        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, groups)
-        self.groups = groups or ParallelGroups()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = column_parallel_linears(           # one gradient all-reduce for gate and up
-            x, [p.weight for p in (self.gate_proj, self.up_proj)], self.groups)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block; its FFN is an MLP or an MoE layer."""
-
-    def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups | None = None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
-        self.self_attn = MLAttention(cfg, groups) if cfg.mla else Attention(cfg, groups)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
-        self.is_moe = cfg.is_moe_layer(layer_idx)
-        if self.is_moe:
-            self.mlp = MoELayer(cfg.moe, cfg.hidden_size, cfg.expert_ffn_size, groups)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.ffn_hidden_size, groups)
-
-        # Selective activation checkpointing: recompute one sub-layer in backward.
-        self.checkpoint_attention = False
-        self.checkpoint_ffn = False
-
-    def set_checkpointing(self, policy: CheckpointPolicy) -> None:
-        """Recompute a sub-layer in backward under the ``attention`` and ``moe`` policies, or
-        only the expert FFNs under ``experts`` (the whole-block policies are applied by the
-        caller, see ``CheckpointPolicy.whole_blocks``)."""
-        self.checkpoint_attention = policy.name == "attention"
-        self.checkpoint_ffn = policy.name == "moe" and self.is_moe
-        if self.is_moe:
-            self.mlp.checkpoint_experts = policy.name == "experts"
-
-    def _attention(self, x, rope, mask):
-        return self.self_attn(self.input_layernorm(x), rope, mask)
-
-    def _ffn(self, x):
-        if self.is_moe:
-            return self.mlp(self.post_attention_layernorm(x))
-        return self.mlp(self.post_attention_layernorm(x)), None
-
-    def forward(self, x: torch.Tensor, rope, mask=None) -> tuple[torch.Tensor, MoEAux | None]:
-        """``rope`` and ``mask`` from ``attention_inputs`` (mask None: causal)."""
-        if self.checkpoint_attention and self.training:
-            x = x + torch.utils.checkpoint.checkpoint(self._attention, x, rope, mask, use_reentrant=False)
-        else:
-            x = x + self._attention(x, rope, mask)
-        if self.checkpoint_ffn and self.training:
-            y, aux = torch.utils.checkpoint.checkpoint(self._ffn, x, use_reentrant=False)
-        else:
-            y, aux = self._ffn(x)
-        return x + y, aux
+__all__ = ["Attention", "Block", "IGNORE_INDEX", "MLP", "RMSNorm", "Transformer", "TransformerOutput",
+           "expert_parallel_rows", "init_std_for", "init_weights", "sequence_length"]
 
 
 def init_std_for(cfg: TransformerConfig):
@@ -211,7 +91,9 @@ class TransformerOutput:
     num_target_tokens: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None      # load-balancing loss averaged over MoE layers
     z_loss: torch.Tensor | None = None        # router z-loss averaged over MoE layers
-    moe_aux: list[MoEAux] = field(default_factory=list)   # per MoE layer, in layer order
+    moe_aux: list[MoEAux] = field(default_factory=list)   # per MoE layer, in layer order (MTP's last)
+    mtp_ce_sum: list[torch.Tensor] = field(default_factory=list)   # per MTP depth: its cross-entropy sum
+    mtp_target_tokens: list[torch.Tensor] = field(default_factory=list)   # per depth: its targets
 
     @property
     def loss(self) -> torch.Tensor:
@@ -243,6 +125,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
         self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
         self.rotary = rotary_for(cfg)
+        # Multi-token prediction (model/mtp.py): in training only, unless ``mtp_in_eval``.
+        self.mtp = nn.ModuleList(MTPModule(cfg, d, groups) for d in range(1, cfg.mtp_depth + 1))
+        self.mtp_in_eval = False
         self.checkpoint_blocks: set[int] = set()    # blocks recomputed whole in backward
         if init_seed is not None:
             self.reset_parameters(init_seed)
@@ -256,7 +141,7 @@ class Transformer(nn.Module):
         """
         policy = CheckpointPolicy.parse(policy)
         self.checkpoint_blocks = policy.whole_blocks(self.cfg.num_layers)
-        for layer in self.layers:
+        for layer in [*self.layers, *(m.block for m in self.mtp)]:
             layer.set_checkpointing(policy)
 
     @torch.no_grad()
@@ -268,9 +153,13 @@ class Transformer(nn.Module):
         """Recompute the derived fp32 buffers (RoPE frequencies) and put the expert biases back
         in fp32 after a build that created them in another dtype."""
         self.rotary.reset()
-        for layer in self.layers:
-            if layer.is_moe:
-                layer.mlp.gate.reset_bias_dtype()
+        for mlp in self._moe_layers():
+            mlp.gate.reset_bias_dtype()
+
+    def _moe_layers(self) -> list:
+        """The MoE layers in order: the blocks', then the MTP modules' (``cfg.moe_block_ids``)."""
+        blocks = [*self.layers, *(m.block for m in self.mtp)]
+        return [b.mlp for b in blocks if b.is_moe]
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:
@@ -278,15 +167,13 @@ class Transformer(nn.Module):
         (L_moe, E), the step's routed assignments per MoE layer (in layer order) and expert,
         summed over every micro-batch and every rank that sees different tokens. A no-op when
         ``model.moe.expert_bias_update_rate`` is 0."""
-        moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
-        for mlp, layer_counts in zip(moe_layers, counts.unbind(0), strict=True):
+        for mlp, layer_counts in zip(self._moe_layers(), counts.unbind(0), strict=True):
             mlp.gate.update_bias(layer_counts)
 
     def expert_biases(self) -> list[tuple[int, torch.Tensor]]:
         """(MoE layer index, (E,) expert bias) of each router that holds one (loss-free
         balancing), in layer order."""
-        moe_layers = [layer.mlp for layer in self.layers if layer.is_moe]
-        return [(j, mlp.gate.e_score_correction_bias) for j, mlp in enumerate(moe_layers)
+        return [(j, mlp.gate.e_score_correction_bias) for j, mlp in enumerate(self._moe_layers())
                 if mlp.gate.e_score_correction_bias is not None]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
@@ -310,23 +197,50 @@ class Transformer(nn.Module):
                 x, aux = layer(x, rope, mask)
             if aux is not None:
                 moe_aux.append(aux)
-        x = self.norm(x)
-        if self.lm_head is None:
-            logits = self.embed_tokens(x, unembed=True)                       # (B, S, V/tp)
-        else:
-            logits = self.lm_head(x)
-        logits = mup.scale_logits(self.cfg, logits)                          # x 1/m under muP
-        out = TransformerOutput(logits=logits, moe_aux=moe_aux)
+        out = TransformerOutput(logits=self._head(self.norm(x)), moe_aux=moe_aux)
+        if self.mtp and labels is not None and (self.training or self.mtp_in_eval):
+            self._mtp(out, x, input_ids, labels, docs, rope, mask)
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the
             # micro-batch's values (see MoEAux).
             out.aux_loss = load_balancing_losses(moe_aux, self.groups, self.cfg.moe.global_balance).mean()
             out.z_loss = torch.stack([a.z_loss for a in moe_aux]).mean()
         if labels is not None:
-            head = self.embed_tokens if self.lm_head is None else self.lm_head
-            out.ce_sum = cross_entropy_sum(logits, labels, self.groups, head.start, IGNORE_INDEX)
+            out.ce_sum = self._ce_sum(out.logits, labels)
             out.num_target_tokens = (labels != IGNORE_INDEX).sum()
         return out
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, H) normalized hidden states -> logits (this rank's vocabulary shard under tp)."""
+        if self.lm_head is None:
+            logits = self.embed_tokens(x, unembed=True)                       # (B, S, V/tp)
+        else:
+            logits = self.lm_head(x)
+        return mup.scale_logits(self.cfg, logits)                            # x 1/m under muP
+
+    def _ce_sum(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return cross_entropy_sum(logits, labels, self.groups, head.start, IGNORE_INDEX)
+
+    def _mtp(self, out: TransformerOutput, hidden, input_ids, labels, docs, rope, mask) -> None:
+        """The MTP depths after the main model (``model/mtp.py``): each depth's cross-entropy sum
+        and target count into ``out``, its MoE aux after the main model's. ``hidden``: the last
+        block's output, before the final norm."""
+        for k, module in enumerate(self.mtp, start=1):
+            embedded = self.embed_tokens(shifted(input_ids, k, 0))          # tokens k ahead
+            targets = depth_targets(labels, k, docs)
+            hidden, normed, aux = module(hidden, embedded, rope, mask)
+            out.mtp_ce_sum.append(self._ce_sum(self._head(normed), targets))
+            out.mtp_target_tokens.append((targets != IGNORE_INDEX).sum())
+            if aux is not None:
+                out.moe_aux.append(aux)
+
+    def mtp_objective(self, out: TransformerOutput) -> torch.Tensor | float:
+        """``mtp_loss_coef / D`` x the depths' cross-entropy sums (0 without MTP): added to
+        ``ce_sum`` before the trainer's normalization by the step's target tokens."""
+        if not out.mtp_ce_sum:
+            return 0.0
+        return self.cfg.mtp_loss_coef / len(out.mtp_ce_sum) * torch.stack(out.mtp_ce_sum).sum()
 
     def router_loss(self, out: TransformerOutput) -> torch.Tensor:
         """``aux_loss_coef * aux + z_loss_coef * z`` (zero for dense models)."""

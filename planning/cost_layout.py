@@ -41,6 +41,7 @@ class Shape:
     moe_every: int = 1
     attn_params: int = 0            # attention matmul weights per layer when not GQA's (MLA); 0: GQA
     v_head_dim: int = 0             # value width per head when not head_dim (MLA); 0: head_dim
+    mtp: int = 0                    # multi-token prediction depths: a block, projection and head each
 
     @classmethod
     def from_config(cls, cfg: TransformerConfig) -> "Shape":
@@ -53,6 +54,7 @@ class Shape:
                          first_dense=moe.first_k_dense, moe_every=moe.moe_layer_freq)
         if cfg.mla:      # head_dim: the query-key width; every head has its own key and value
             extra.update(attn_params=cfg.attention_matmul_params, v_head_dim=cfg.v_head_dim)
+        extra["mtp"] = cfg.mtp_depth
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.qk_head_dim,
                    cfg.ffn_hidden_size, cfg.vocab_size, **extra)
 
@@ -61,8 +63,8 @@ class Shape:
         router and shared experts, and the output head (the input embedding is a lookup)."""
         h, up = self.hidden, 3 if self.gated else 2
         attn = self.attn_params or h * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        total = self.vocab * h
-        for i in range(self.layers):
+        total = self.vocab * h + self.mtp * (2 * h * h + self.vocab * h)
+        for i in range(self.layers + self.mtp):
             total += attn
             if self.is_moe(i):
                 total += self.top_k * up * h * self.expert_ffn + h * self.experts + \
@@ -78,7 +80,7 @@ class Shape:
         they are the hidden size; ``training.hardware.train_flops_per_token``)."""
         width = self.heads * (self.head_dim + (self.v_head_dim or self.head_dim))   # w_qk + w_v
         return 6.0 * self.matmul_params_per_token() + (3.0 if causal else 6.0) * \
-            self.layers * width * seq_len
+            (self.layers + self.mtp) * width * seq_len
 
     def is_moe(self, layer: int) -> bool:
         """The model's rule (``TransformerConfig.is_moe_layer``): past the leading dense layers,

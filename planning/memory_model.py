@@ -162,7 +162,9 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
     vocab = math.ceil(cfg.vocab_size / tp) * h
     expert = other = 0
     largest = q
-    for i in stage_layers(cfg, layout.pp, stage):
+    last = stage == layout.pp - 1
+    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth) if last else range(0)
+    for i in [*stage_layers(cfg, layout.pp, stage), *mtp]:     # MTP's blocks: the last stage's
         other += attn
         if cfg.is_moe_layer(i):
             experts = cfg.moe.num_experts // layout.ep * 3 * h * (fe // tp)
@@ -173,11 +175,10 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
         else:
             other += 3 * h * (f // tp)
             largest = max(largest, h * (f // tp))
-    last = stage == layout.pp - 1
     if stage == 0:
         other += vocab
-    if last:
-        other += h + (vocab if not cfg.tie_embeddings or layout.pp > 1 else 0)
+    if last:      # the final norm, the head, and each MTP depth's norms and (H, 2H) projection
+        other += h + (vocab if not cfg.tie_embeddings or layout.pp > 1 else 0) + len(mtp) * (2 * h * h + 3 * h)
     if stage == 0 or last:
         largest = max(largest, vocab)
     return {"expert": expert, "other": other, "total": expert + other, "largest_module": largest}
@@ -267,6 +268,15 @@ def head_activations(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1,
             "token_ids": tokens * 2 * INT64}
 
 
+def mtp_extra_bytes(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1, sp: bool = False) -> float:
+    """One MTP depth's saved bytes besides its block (``model/mtp.py``): the two input norms (the
+    hidden state's fp32 input is the final norm's own in fp32), the (2H) input of ``eh_proj``, and
+    a head as the model's (``head_activations``: the shifted ids and the depth's targets)."""
+    h, split = cfg.hidden_size, tp if sp else 1
+    norms = 2 * (FP32 * h + a * h + FP32) - (FP32 * h if a == FP32 else 0)
+    return tokens * (norms + 2 * a * h) / split + sum(head_activations(cfg, tokens, a, tp, sp).values())
+
+
 def logits_transient(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1) -> float:
     """Not saved by autograd, but alive at the loss: the logits the model returns (a V/tp per
     token, held by ``TransformerOutput``) and their fp32 gradient in backward (4 V/tp)."""
@@ -287,8 +297,10 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
     block_input = tokens * a * cfg.hidden_size / (tp if sp else 1)
     stored = recompute = 0.0
     layers = stage_layers(cfg, layout.pp, stage)
+    last = stage == layout.pp - 1
+    mtp = range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth) if last else range(0)
     by_kind = {}                                                       # MoE or dense block
-    for i in layers:
+    for i in [*layers, *mtp]:                                          # MTP's blocks as any other
         kind = cfg.is_moe_layer(i)
         blk = by_kind.get(kind) or by_kind.setdefault(kind, block_activations(cfg, i, tokens, a, tp, sp))
         full = sum(blk.values())
@@ -315,9 +327,10 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
            "blocks": stored * in_flight, "recompute": recompute, "head": 0.0, "logits_transient": 0.0}
     if stage == 0:
         out["head"] += in_flight * tokens * INT64                      # the embedding's token ids
-    if stage == layout.pp - 1:                                         # labels, not the ids again
+    if last:                                                           # labels, not the ids again
         out["head"] += sum(head_activations(cfg, tokens, a, tp, sp).values()) - tokens * INT64
         out["logits_transient"] = logits_transient(cfg, tokens, a, tp)
+        out["head"] += len(mtp) * mtp_extra_bytes(cfg, tokens, a, tp, sp)
     out["saved"] = out["blocks"] + out["head"]
     out["total"] = out["saved"] + out["recompute"] + out["logits_transient"]
     return out

@@ -49,11 +49,13 @@ def detect_gpu(device_name: str) -> GPUSpec | None:
 
 def matmul_params_per_token(cfg: TransformerConfig) -> int:
     """Matmul parameters a token passes through: attention, the MLP or the k routed experts plus
-    the router and any shared experts, and the output head (not the input embedding, a lookup)."""
+    the router and any shared experts, and the output head (not the input embedding, a lookup);
+    each MTP depth's block, projection and head too."""
     h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
     attn = cfg.attention_matmul_params
     total = cfg.vocab_size * h            # output head
-    for i in range(cfg.num_layers):
+    total += cfg.mtp_depth * (2 * h * h + cfg.vocab_size * h)    # each MTP depth's projection and head
+    for i in range(cfg.num_layers + cfg.mtp_depth):
         total += attn
         if cfg.is_moe_layer(i):
             total += cfg.moe.top_k * 3 * h * fe + h * cfg.moe.num_experts + cfg.shared_params
@@ -79,7 +81,7 @@ def train_flops_per_token(cfg: TransformerConfig, seq_len: int, causal: bool = T
     both are the hidden size), halved by the causal mask (``causal``, our ``mfu``) or whole
     (``mfu_full_attn``, torchtitan's and most published figures' count)."""
     qk, v = attention_widths(cfg)
-    attention = (3.0 if causal else 6.0) * cfg.num_layers * seq_len * (qk + v)
+    attention = (3.0 if causal else 6.0) * (cfg.num_layers + cfg.mtp_depth) * seq_len * (qk + v)
     return 6.0 * matmul_params_per_token(cfg) + attention
 
 

@@ -121,8 +121,9 @@ class Tracker:
     def log(self, row: dict, extra: dict | None = None) -> None:
         """Append one row to metrics.jsonl; W&B also gets ``extra`` (each MoE layer's router
         statistics, ``moe/layer{i}/...``, see ``StatsLayout.moe_metrics`` in training/step/stats.py;
-        each layer's gradient norm, ``grad_norm/...``, training/step/layer_grads.py), and the row
-        without its nested ``grad_norm_layers``, which those keys carry flat."""
+        each layer's gradient norm, ``grad_norm/...``, training/step/layer_grads.py; each MTP
+        depth's loss, ``mtp_loss/depth{k}``), and the row without its nested ``grad_norm_layers``
+        and ``mtp_loss``, which those keys carry flat."""
         if not self.enabled:
             return
         if (extra and self.router_every and row["step"] % self.router_every == 0
@@ -131,7 +132,7 @@ class Tracker:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.wandb_run is not None:
-            payload = {k: v for k, v in row.items() if k not in ("step", "grad_norm_layers")}
+            payload = {k: v for k, v in row.items() if k not in ("step", "grad_norm_layers", "mtp_loss")}
             payload.update(extra or {})
             self.wandb_run.log(payload, step=row["step"])
 

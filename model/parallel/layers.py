@@ -154,6 +154,22 @@ class ColumnParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class ReplicatedLinear(nn.Module):
+    """``y = x W^T`` with the (out, in) weight whole on every tp rank, applied to the tokens the
+    rank holds: MLA's down-projections, MTP's projection. Its gradient is summed over ep, and
+    over tp under sequence parallelism (the ranks see different tokens), as a norm's; without
+    it every tp rank computes the same full gradient."""
+
+    def __init__(self, in_features: int, out_features: int, groups=None):
+        super().__init__()
+        g = groups or ParallelGroups()
+        self.weight = replicated(nn.Parameter(torch.empty(out_features, in_features)), g)
+        sum_grad_over(self.weight, g, "ep", *(("tp",) if g.sequence_parallel else ()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_grad.linear(x, self.weight)
+
+
 class RowParallelLinear(nn.Module):
     """``y = x W^T`` with W's input columns split over tp; partial outputs summed over tp."""
 
@@ -270,7 +286,7 @@ def kv_heads_for_rank(num_kv_heads: int, groups) -> tuple[list[int], int | None]
     return list(range(num_kv_heads)), rank * num_kv_heads // tp
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "ReplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "block_length", "check_tp_divides", "column_parallel_linears", "cross_entropy_sum",
            "draw", "enter_tp_region", "even_slice", "fill_from_full", "fill_shards",
            "init_from_full", "kv_heads_for_rank", "leave_tp_region", "replicated", "shard_param",

@@ -23,6 +23,7 @@ import re
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from interop import hf as hf_interop
@@ -117,15 +118,16 @@ OURS = MixtralConfig(
     vocab_size=320, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4, ffn_hidden_size=96,
     max_seq_len=64, norm_eps=1e-6, init_std=0.03, attention="mla", q_lora_rank=20, kv_lora_rank=24,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, rope_scaling="yarn", rope_factor=4.0,
-    rope_original_max_seq_len=16, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+    rope_original_max_seq_len=16, yarn_mscale=1.0, yarn_mscale_all_dim=1.0, mtp_depth=1, mtp_loss_coef=0.2,
     moe=MoEConfig(num_experts=8, top_k=2, score_function="sigmoid", n_group=4, topk_group=2,
                   routed_scaling_factor=2.5, first_k_dense=1, num_shared_experts=1,
                   expert_ffn_hidden_size=32, aux_loss_coef=0.02, z_loss_coef=0.003))
 
 
 def test_export_then_import_is_identity(tmp_path, monkeypatch):
-    """Ours -> convert_hf export (safetensors + tokenizer) -> transformers loads DeepseekV3ForCausalLM
-    with the same loss -> convert_hf import -> the same config and weights, bit for bit."""
+    """Ours (with one MTP module) -> convert_hf export (safetensors + tokenizer) -> transformers
+    loads DeepseekV3ForCausalLM with the same loss, the MTP layer where DeepSeek keeps it (its
+    unexpected keys ignored) -> convert_hf import -> the same config and weights, bit for bit."""
     cfg = OURS.validate()
     assert hf_interop.hf_model_type(cfg) == "deepseek_v3"
     ours = Transformer(cfg)
@@ -142,7 +144,21 @@ def test_export_then_import_is_identity(tmp_path, monkeypatch):
     assert (written["model_type"], written["rope_interleave"], written["rope_parameters"]["rope_type"]) == (
         "deepseek_v3", True, "yarn")
     _assert_export_loss(hf_dir, ours, DeepseekV3ForCausalLM, tokenizer)
+    assert written["num_nextn_predict_layers"] == 1
+    with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
+        mtp = sorted(k for k in f.keys() if k.startswith("model.layers.3."))
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.norm.weight",
+            "model.layers.3.shared_head.head.weight", "model.layers.3.mlp.experts.7.down_proj.weight",
+            "model.layers.3.self_attn.kv_b_proj.weight"} <= set(mtp)
     _reimport(hf_dir, init_dir, ours, cfg)
+
+    # --drop-mtp: the main model alone, imported back without MTP.
+    assert convert_hf.main(["export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "hf2"), "--drop-mtp"]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert convert_hf.main(["import", "--hf", str(tmp_path / "hf2"), "--out", str(tmp_path / "init2")]) == 0
+    cfg3, sd3, _ = hf_interop.load_init_dir(tmp_path / "init2")
+    assert cfg3 == dataclasses.replace(cfg, mtp_depth=0)
+    assert sd3.keys() == {k for k in ours.state_dict() if not k.startswith("mtp.")}
 
 
 @pytest.mark.parametrize("model_kwargs,moe_kwargs,reason", [
@@ -156,6 +172,14 @@ def test_features_deepseek_cannot_represent_refused(model_kwargs, moe_kwargs, re
     cfg = dataclasses.replace(OURS, moe=dataclasses.replace(OURS.moe, **moe_kwargs), **model_kwargs).validate()
     with pytest.raises(ValueError, match=f"cannot export to HF DeepSeek-V3: .*{reason}"):
         hf_interop.to_hf_config(cfg)
+
+
+def test_mtp_exports_only_to_deepseek_or_dropped():
+    cfg = MixtralConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                        ffn_hidden_size=96, max_seq_len=64, mtp_depth=1).validate()
+    with pytest.raises(ValueError, match=r"cannot export to HF Mixtral: model.mtp_depth \(1\) > 0 .*--drop-mtp"):
+        hf_interop.to_hf_config(cfg)
+    assert hf_interop.to_hf_config(dataclasses.replace(cfg, mtp_depth=0)).model_type == "mixtral"
 
 
 def test_export_refusal_is_one_line(tmp_path, monkeypatch, capsys):

@@ -52,9 +52,9 @@ def _configs():
             num_experts=4, top_k=2, normalize_top_k=False, num_shared_experts=1,
             shared_expert_gate=True, **moe)).validate(),
         # DeepSeek-V3's multi-head latent attention with its routing, a query latent, YaRN x2,
-        # and one ungated shared expert after a dense block; and MLA without a query latent on
-        # the dense family.
-        "mla": MixtralConfig(**MLA, q_lora_rank=12, rope_scaling="yarn", rope_factor=2.0,
+        # one ungated shared expert after a dense block, and two MTP depths (MoE blocks); and
+        # MLA without a query latent on the dense family.
+        "mla": MixtralConfig(**MLA, q_lora_rank=12, rope_scaling="yarn", rope_factor=2.0, mtp_depth=2,
                              rope_original_max_seq_len=8, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
                              moe=MoEConfig(num_experts=8, top_k=2, score_function="sigmoid", n_group=4,
                                            topk_group=2, routed_scaling_factor=2.5, first_k_dense=1,
@@ -123,8 +123,8 @@ def _check(cfg, groups, tag, checkpointing="none", seed=None):
     split = groups.tp if groups.sequence_parallel else 1
     assert seen == [(4 // groups.ep, 16 // split, cfg.hidden_size)], (tag, seen)
     # Mean over the micro-batch's 64 target tokens, so values and gradients are O(1).
-    loss_ref = out_ref.ce_sum / 64 + ref.router_loss(out_ref)
-    loss_par = out_par.ce_sum / 64 + par.router_loss(out_par)
+    loss_ref = (out_ref.ce_sum + ref.mtp_objective(out_ref)) / 64 + ref.router_loss(out_ref)
+    loss_par = (out_par.ce_sum + par.mtp_objective(out_par)) / 64 + par.router_loss(out_par)
     loss_ref.backward()
     loss_par.backward()
     if seed is not None:      # an ep rank's loss is its share of the micro-batch's
@@ -134,6 +134,10 @@ def _check(cfg, groups, tag, checkpointing="none", seed=None):
     # The ce of an ep rank covers its slice of the batch; tp ranks each hold the full value.
     ce = comm.all_reduce_sum(out_par.ce_sum.detach().clone(), groups.ep_group)
     torch.testing.assert_close(ce, out_ref.ce_sum.detach(), **TOL, msg=tag)
+    assert len(out_par.mtp_ce_sum) == len(out_ref.mtp_ce_sum) == cfg.mtp_depth
+    for depth, (got, want) in enumerate(zip(out_par.mtp_ce_sum, out_ref.mtp_ce_sum), 1):
+        got = comm.all_reduce_sum(got.detach().clone(), groups.ep_group)
+        torch.testing.assert_close(got, want.detach(), **TOL, msg=f"{tag} mtp depth {depth}")
     if cfg.moe is not None:
         aux = comm.all_reduce_sum(out_par.aux_loss.detach().clone(), groups.ep_group)
         z = comm.all_reduce_sum(out_par.z_loss.detach().clone(), groups.ep_group)

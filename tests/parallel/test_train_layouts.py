@@ -45,13 +45,15 @@ LAYOUTS = {"tp2": (2, ["parallel.tensor_parallel_size=2"]),
 # the first stage's blocks reach the loss through the stage I/O (training/engine/pipeline.py).
 PP2 = ["parallel.pipeline_parallel_size=2"]
 # Multi-head latent attention (model/mla.py) with a query latent and YaRN x2 on the default recipe,
-# at TP2, TP2 + SP under ZeRO-3, EP2 and PP2, against its own single-process control.
+# and two MTP depths (model/mtp.py), at TP2, TP2 + SP under ZeRO-3 and EP2, against its own
+# single-process control; at PP2 without MTP (not placed on stages yet) against a control without.
 MLA = ["model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=24", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
        "model.rope_scaling=yarn", "model.rope_factor=2.0", "model.rope_original_max_seq_len=32",
        "model.yarn_mscale_all_dim=1.0"]
-MLA_LAYOUTS = {"tp2-1": (1, LAYOUTS["tp2"][1]), "tp2-sp-3": (3, LAYOUTS["tp2-sp"][1]),
-               "ep2-1": (1, LAYOUTS["ep2"][1]), "pp2-1": (1, PP2)}
+MTP = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"]
+MLA_LAYOUTS = {"tp2-1": (1, LAYOUTS["tp2"][1] + MTP), "tp2-sp-3": (3, LAYOUTS["tp2-sp"][1] + MTP),
+               "ep2-1": (1, LAYOUTS["ep2"][1] + MTP), "pp2-1": (1, PP2)}
 # Micro-batch 2 x accumulation 4 (test_pp2_1f1b_over_four_micro_batches_matches_its_control).
 FOUR_MICRO = [("zero1_fp32", []), ("zero0_fp32", ["model.tie_embeddings=true"])]
 
@@ -67,7 +69,8 @@ def runs(warm_launcher, tmp_path_factory):
     batches = {1: [("control", "ds_configs/zero2_fp32.json", []),
                    ("control-nj", "ds_configs/zero2_fp32.json", RECIPE_JITTER)]
                + [(f"4micro-control-{c}", four[c], RECIPE_JITTER + x) for c, x in FOUR_MICRO]
-               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA)],
+               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA + MTP),
+                  ("mla-control-nomtp", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA)],
                2: [(f"{layout}-{stage}", f"ds_configs/zero{stage}_fp32.json", extra)
                    for layout, (nproc, extra) in LAYOUTS.items() if nproc == 2 for stage in range(4)]
                + [(f"pp2-{stage}", f"ds_configs/zero{stage}_fp32.json", RECIPE_JITTER + PP2) for stage in (0, 1)]
@@ -126,8 +129,15 @@ def test_tp2_x_ep2_with_sequence_parallelism_matches_the_control(stage, control,
 @pytest.mark.parametrize("name", list(MLA_LAYOUTS))
 def test_mla_layout_matches_its_single_process_control(name, runs):
     """MLA's tp split of heads (latents replicated, gathered once under SP), its ep and pipeline
-    stages: loss, grad norm, router losses and per-layer norms as the control's, every step."""
-    _assert_same_metrics(rows(runs["mla-control"]), rows(runs[f"mla-{name}"]), ("mla", name))
+    stages, with MTP's depths: loss, grad norm, router losses, per-layer norms and each depth's
+    MTP loss as the control's, every step."""
+    mtp = name != "pp2-1"
+    ref, got = rows(runs["mla-control" if mtp else "mla-control-nomtp"]), rows(runs[f"mla-{name}"])
+    _assert_same_metrics(ref, got, ("mla", name))
+    for a, b in zip(ref, got):
+        assert ("mtp_loss" in b) == mtp and b.get("mtp_loss") == pytest.approx(a.get("mtp_loss"), rel=1e-4)
+    if mtp:   # two depths, each its own loss, learning
+        assert len(ref[0]["mtp_loss"]) == 2 and ref[-1]["mtp_loss"][0] < ref[0]["mtp_loss"][0]
 
 
 def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:

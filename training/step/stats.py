@@ -8,6 +8,7 @@ stages), and copied to the host once. L is the number of MoE layers, E the exper
     [ce_sum, target_tokens, nonfinite, aux, z, entropy, dropped, small-batch |G|^2]   scalars
     tokens per expert (L x E), router entropy (L), dropped fraction (L),
     largest router logit (L), mean router log-sum-exp (L)                            per layer
+    cross-entropy sum and target tokens of each MTP depth (2 D), with model.mtp_depth D
     expert bias (L x E), only when the router has one (loss-free balancing)
     router divergence (the tp x ep replicas of the router weights)                   last
 
@@ -74,9 +75,10 @@ class StepValues:
 
 class StatsLayout:
     """Where each value of the vector lives, for ``layers`` MoE layers of ``experts`` experts;
-    ``bias``: the routers hold an expert bias (``model.moe.expert_bias``)."""
+    ``bias``: the routers hold an expert bias (``model.moe.expert_bias``); ``mtp``: the MTP
+    depths (``model.mtp_depth``)."""
 
-    def __init__(self, layers: int, experts: int, bias: bool):
+    def __init__(self, layers: int, experts: int, bias: bool, mtp: int = 0):
         self.layers, self.experts = layers, experts
         counts_end = SCALARS + layers * experts
         self.counts = slice(SCALARS, counts_end)                       # (L x E,) layer-major
@@ -84,7 +86,8 @@ class StatsLayout:
         self.dropped = slice(counts_end + layers, counts_end + 2 * layers)
         self.logit_max = slice(counts_end + 2 * layers, counts_end + 3 * layers)
         self.logit_lse = slice(counts_end + 3 * layers, counts_end + 4 * layers)
-        end = self.logit_lse.stop
+        self.mtp = slice(self.logit_lse.stop, self.logit_lse.stop + 2 * mtp)   # (ce sums, tokens)
+        end = self.mtp.stop
         self.bias = slice(end, end + layers * experts) if bias and layers else None
         self.divergence = self.bias.stop if self.bias else end         # router divergence
         self.size = self.divergence + 1
@@ -104,6 +107,9 @@ class StatsLayout:
         stats[CE_SUM] += out.ce_sum.detach().double()
         stats[TOKENS] += out.num_target_tokens.double()
         stats[NONFINITE] += (~torch.isfinite(loss)).double()
+        if out.mtp_ce_sum:
+            stats[self.mtp] += torch.cat([torch.stack(out.mtp_ce_sum).detach().double(),
+                                          torch.stack(out.mtp_target_tokens).double()])
         if out.moe_aux:
             # Means over micro-batches here, over data-parallel ranks in moe_metrics.
             entropy = torch.stack([a.entropy for a in out.moe_aux]).double() / gas      # (L,)
@@ -118,6 +124,12 @@ class StatsLayout:
             # counts, entropy, dropped and the logit sizes lie next to each other: one add
             stats[self.counts.start:self.logit_lse.stop] += torch.cat([counts.flatten(), entropy, dropped,
                                                                        logits.flatten()])
+
+    def mtp_losses(self, values: list[float]) -> list[float]:
+        """Each MTP depth's mean cross-entropy over its targets, from the host copy."""
+        sums = values[self.mtp]
+        depth = len(sums) // 2
+        return [ce / max(n, 1) for ce, n in zip(sums[:depth], sums[depth:])]
 
     def add_layer(self, stats: torch.Tensor, j: int, counts, entropy, dropped, logit_max, logit_lse,
                   gas: int) -> None:

@@ -119,10 +119,9 @@ class Stepper:
         self.half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
         self.history = history if history is not None else StepHistory.for_run(recipe, ds, ctx, dp_size)
         self.flops_per_token = ctx.flops_per_token(self.cfg, recipe)
-        self.moe_blocks = [i for i in range(self.cfg.num_layers) if self.cfg.is_moe_layer(i)]
-        moe = self.cfg.moe
+        self.moe_blocks, moe = self.cfg.moe_block_ids, self.cfg.moe      # MTP's MoE blocks last
         self.stats = StatsLayout(len(self.moe_blocks), moe.num_experts if moe else 0,
-                                 bool(moe and moe.expert_bias))      # training/step/stats.py
+                                 bool(moe and moe.expert_bias), self.cfg.mtp_depth)   # step/stats.py
         self.busy = BusyTime(ctx.device)
         self.pipeline = ctx.groups.pp > 1
         self.preemption, self.saver = preemption, saver
@@ -193,7 +192,8 @@ class Stepper:
         """One micro-batch's loss; its statistics are added to ``stats``. The model's output
         (with the logits) is released on return, before the backward and the next forward."""
         out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
-        loss = out.ce_sum * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
+        ce = out.ce_sum + self.model.mtp_objective(out)                 # MTP: model/mtp.py
+        loss = ce * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
         self.stats.add_micro_batch(stats, out, loss.detach(), gas)
         return loss
 
@@ -360,6 +360,9 @@ class Stepper:
         if self.moe_blocks:
             moe_row, extra = self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)
             row.update(moe_row)
+        if self.cfg.mtp_depth:      # each depth's mean cross-entropy over its targets
+            row["mtp_loss"] = self.stats.mtp_losses(values.vector)
+            extra.update({f"mtp_loss/depth{k}": v for k, v in enumerate(row["mtp_loss"], 1)})
         if self._router_check_step(step):
             row["router_divergence"] = values.router_divergence     # 0.0: router replicas bitwise equal
         row.update(decision.stragglers)         # every train.log_every steps: the ranks' busy times
