@@ -511,7 +511,7 @@ def test_wandb_offline_run_holds_the_metrics_and_evaluate_reads_the_run(warm, tm
                 pytest.approx([f["embed"], *f["blocks"], f["head"]]) and "grad_norm_layers" not in h
 
     # evaluate.py's main in this process (its command line is run as a script by
-    # tests/interop/test_qwen_moe_training_round_trip.py and tests/launch/test_cli_errors.py).
+    # tests/interop/test_hf_moe_training_round_trip.py and tests/launch/test_cli_errors.py).
     from launch import evaluate
     text = tmp_path / "eval.txt"
     text.write_text((Path(os.__file__).parent / "this.py").read_text() * 3)

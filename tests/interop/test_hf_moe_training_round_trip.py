@@ -1,7 +1,9 @@
-"""A Qwen MoE from transformers through the whole repository: tiny random ``Qwen3MoeForCausalLM``
-(16 experts, top-4, q/k norms, renormalized top-k) and ``Qwen2MoeForCausalLM`` (a gated shared
-expert, q/k/v biases) with a tokenizer, ``convert_hf.py import``, ``launch/train.py --init-from``
-for 3 optimizer steps, ``convert_hf.py export`` of the run:
+"""A Qwen MoE or DeepSeek-V3 from transformers through the whole repository: tiny random
+``Qwen3MoeForCausalLM`` (16 experts, top-4, q/k norms, renormalized top-k),
+``Qwen2MoeForCausalLM`` (a gated shared expert, q/k/v biases) and ``DeepseekV3ForCausalLM``
+(multi-head latent attention, YaRN, sigmoid group-limited routing, as in
+tests/interop/test_hf_deepseek_v3.py) with a tokenizer, ``convert_hf.py import``,
+``launch/train.py --init-from`` for 3 optimizer steps, ``convert_hf.py export`` of the run:
 
 - the export, imported again, reproduces every tensor of the trained run exactly;
 - ``launch/evaluate.py`` on the run gives transformers' loss of the exported model on the same
@@ -23,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from interop import hf as hf_interop
 from interop.consolidate import load_run_model
 from tests.interop.test_convert_hf import _randomize, _tiny_tokenizer
+from tests.interop.test_hf_deepseek_v3 import _hf_tiny as _deepseek_tiny
 from tests.interop.test_hf_qwen_moe import HF_COMMON, HF_KINDS
 from tests.runs import REPO, python
 
@@ -53,14 +56,22 @@ def _run(script, *args):
     return python(script, *args, timeout=600, check=True).stdout
 
 
-@pytest.mark.parametrize("kind", sorted(HF_KINDS))
-def test_import_train_export_evaluate(tmp_path, kind):
-    from launch.evaluate import evaluate_text
-
+def _hf_model(kind: str):
+    if kind == "deepseek_v3":          # MLA, YaRN, sigmoid group-limited routing, a shared expert
+        return _deepseek_tiny(vocab_size=320)
     cls, config_cls, extra = HF_KINDS[kind]
     torch.manual_seed(0)
     hf = cls(config_cls(**{**HF_COMMON, **extra, "vocab_size": 320, **EXTRA[kind]}))
     _randomize(hf, seed=3)
+    return hf
+
+
+@pytest.mark.parametrize("kind", [*sorted(HF_KINDS), "deepseek_v3"])
+def test_import_train_export_evaluate(tmp_path, kind):
+    from launch.evaluate import evaluate_text
+
+    hf = _hf_model(kind)
+    cls = type(hf)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     _tiny_tokenizer().save_pretrained(tmp_path / "hf")
     _run("launch/convert_hf.py", "import", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "init"))
