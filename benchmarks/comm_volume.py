@@ -7,7 +7,9 @@ Launch:   python benchmarks/comm_volume.py                                  # de
 Layouts: TP2 dense (kv heads >= tp), TP2 dense with 1 kv head (replicated over tp), TP2 Mixtral,
 the TP2 dense and Mixtral again with sequence parallelism, and EP2 Mixtral (dropless, top-2),
 also with the expert exchange in bf16 and in fp8 (``model.moe.dispatch_dtype``: the same elements,
-fewer bytes; an fp8 row carries 4 more bytes, its scale); scopes: one transformer block (input
+fewer bytes; an fp8 row carries 4 more bytes, its scale); TP2 and TP2 + SP Mixtral with
+multi-head latent attention (``model.attention: mla``), with and without ``q_lora_rank``;
+scopes: one transformer block (input
 requiring grad, as inside a model) and a whole ``--layers``-layer model with its loss. While a step runs, the
 ``torch.distributed`` collectives that ``model/parallel/`` calls are wrapped to record (op, phase,
 elements, bytes), and the ``comm`` helpers are wrapped only to name the call site (module, and for
@@ -26,6 +28,15 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   backward gathers once more where column-parallel layers stored only their input's shard (q/k/v,
   gate/up, the output head; not the MoE layer, which stores no gathered input); the norms' weight
   gradients are summed over tp once per backward (per parameter, see below).
+* MLA (``model/mla.py``): the latents [c_q, c_kv, k_rot], w = q_lora_rank (0 without it) +
+  kv_lora_rank + qk_rope_head_dim wide, enter the tp region in one collective per block: the
+  gradient's all-reduce of b*s*w backward (SP: an all-gather of the b*s*w/tp shard forward, a
+  reduce-scatter of b*s*w backward; the gathered latents are stored, no re-gather). With
+  q_lora_rank the hidden state does not enter the attention (only o_proj's exit remains, and
+  under SP its gradient's all-gather); without it q_proj enters it as q/k/v do. Under SP the
+  down-projections' weight gradients are summed over tp, as the norms'. After the table, the same
+  formulas at DeepSeek-V3's and Moonlight's widths (``--mla-tp``, ``--mla-tokens``): MLA's
+  attention traffic per block against GQA's at the same hidden size.
 * EP: dispatch and combine each move exactly the routed rows (sum of routed_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
@@ -101,6 +112,12 @@ class Sizes:
     layers: int = 2
     tie_embeddings: bool = False
     activation_checkpointing: str = "none"   # Transformer.set_activation_checkpointing policy
+    # the MLA layouts' latent widths (model/mla.py); their kv heads are the heads
+    q_lora_rank: int = 24
+    kv_lora_rank: int = 16
+    qk_nope_head_dim: int = 8
+    qk_rope_head_dim: int = 4
+    v_head_dim: int = 8
 
 
 # name, tp, ep, family, kv heads (None: Sizes.kv_heads), sequence parallelism, dispatch dtype
@@ -111,7 +128,11 @@ LAYOUTS = (("tp2/dense", 2, 1, "dense", None, False, None),
            ("tp2-sp/mixtral", 2, 1, "mixtral", None, True, None),
            ("ep2/mixtral", 1, 2, "mixtral", None, False, None),
            ("ep2-bf16/mixtral", 1, 2, "mixtral", None, False, "bf16"),
-           ("ep2-fp8/mixtral", 1, 2, "mixtral", None, False, "fp8"))
+           ("ep2-fp8/mixtral", 1, 2, "mixtral", None, False, "fp8"),
+           ("tp2/mla", 2, 1, "mla", None, False, None),
+           ("tp2/mla-noqlora", 2, 1, "mla-noqlora", None, False, None),
+           ("tp2-sp/mla", 2, 1, "mla", None, True, None),
+           ("tp2-sp/mla-noqlora", 2, 1, "mla-noqlora", None, True, None))
 
 
 def _config(family: str, s: Sizes, kv_heads: int | None, layers: int, dispatch: str | None = None):
@@ -120,9 +141,23 @@ def _config(family: str, s: Sizes, kv_heads: int | None, layers: int, dispatch: 
                   tie_embeddings=s.tie_embeddings, init_std=0.2)
     if family == "dense":
         return DenseConfig(**common).validate()
+    if family.startswith("mla"):       # a Mixtral block with latent attention, kv heads = heads
+        q_rank = None if family == "mla-noqlora" else s.q_lora_rank
+        if (q_rank or 0) + s.kv_lora_rank + s.qk_rope_head_dim == s.hidden:
+            raise ValueError("the MLA latents' width equals --hidden: their collectives would not "
+                             "be told from the hidden state's")
+        common.update(num_kv_heads=s.heads, attention="mla", q_lora_rank=q_rank,
+                      kv_lora_rank=s.kv_lora_rank, qk_nope_head_dim=s.qk_nope_head_dim,
+                      qk_rope_head_dim=s.qk_rope_head_dim, v_head_dim=s.v_head_dim)
     moe = MoEConfig(num_experts=s.experts, top_k=s.top_k, capacity_factor=None,
                     eval_capacity_factor=None, router_jitter=0.0, dispatch_dtype=dispatch)
     return MixtralConfig(**common, moe=moe).validate()
+
+
+def latent_width(cfg) -> int | None:
+    """Width w of the MLA latents [c_q, c_kv, k_rot] that enter the tp region together:
+    q_lora_rank (0 without it) + kv_lora_rank + qk_rope_head_dim; None for GQA."""
+    return (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.mla else None
 
 
 # ------------------------------------------------------------------------------ the recorder
@@ -295,7 +330,8 @@ def count_collectives(rank: int, world: int, sizes: Sizes, out_path: str,
         groups = build_groups(tp=tp, ep=ep, sequence_parallel=sp)
         for scope in ("block", "model"):
             cfg = _config(family, sizes, kv, 1 if scope == "block" else sizes.layers, dispatch)
-            results.append(dict(layout=name, scope=scope, tp=tp, ep=ep,
+            results.append(dict(layout=name, scope=scope, tp=tp, ep=ep, latent=latent_width(cfg),
+                                q_lora=bool(cfg.mla and cfg.q_lora_rank),
                                 **_measure(cfg, groups, scope, sizes)))
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
@@ -337,14 +373,15 @@ def _measure(cfg, groups, scope: str, s: Sizes) -> dict:
     used = [(n, p) for n, p in model.named_parameters() if scope == "model" or n.startswith("layers.0.")]
     # Which groups each parameter's gradient must be summed over, worked out here from the
     # layout (not read from the parameter's own declaration): ep for everything outside the
-    # experts, tp for kv heads replicated over tp and, under sequence parallelism, the norms.
+    # experts, tp for kv heads replicated over tp and, under sequence parallelism, the norms and
+    # MLA's down-projections (run, like the norms, on each rank's own tokens).
     axes = defaultdict(set)
     for n, p in used:
         if groups.ep > 1 and ".experts." not in n:
             axes[n].add("ep")
     for n, m in model.named_modules():
         in_scope = scope == "model" or n.startswith("layers.0.")
-        sp_norm = groups.sequence_parallel and n.endswith("norm")    # tokens differ over tp
+        sp_norm = groups.sequence_parallel and n.endswith(("norm", "q_a_proj", "kv_a_proj_with_mqa"))
         if (getattr(m, "replicated_over_tp", False) or sp_norm) and in_scope:
             axes[f"{n}.weight"].add("tp")
     replicated_over = defaultdict(list)       # group -> numel of each parameter to sum there
@@ -382,10 +419,13 @@ class Row:
     note: str = ""
 
 
-def _traffic(rec: dict, h: int) -> tuple[str, bool]:
-    """(what this collective is for, whether its volume scales with tokens)."""
+def _traffic(rec: dict, h: int, latent: int | None = None) -> tuple[str, bool]:
+    """(what this collective is for, whether its volume scales with tokens); ``latent``: the MLA
+    latents' width, None for GQA."""
     kind, mod = rec["kind"], re.sub(r"^layers\.\d+\.", "", rec["module"])
     hidden = bool(rec["shape"]) and rec["shape"][-1] == h
+    if latent and mod.startswith("self_attn") and rec["shape"] and rec["shape"][-1] == latent:
+        return "attention latents in (TP, MLA)", True
     if kind == "grad_sync":
         return f"replicated-parameter grads (grad_sync over {rec['group']})", False
     if kind.startswith("all_to_all:"):
@@ -440,13 +480,14 @@ def _analyse_one(result: dict, s: Sizes) -> list[Row]:
     h, world = s.hidden, len(result["ranks"])
     ctx = dict(layers=1 if result["scope"] == "block" else s.layers, ep=result["ep"], tp=result["tp"],
                T=s.batch * s.seq // result["ep"],               # tokens one rank computes
+               latent=result.get("latent"), q_lora=result.get("q_lora", False),
                moe=len(result["ranks"][0]["routing"]),           # MoE layers in scope
                expect=_routing_expectations(result, h),
                replicated=result["ranks"][0]["replicated_over"])
     groups: dict[tuple, list] = defaultdict(lambda: [[] for _ in range(world)])
     for r, rank in enumerate(result["ranks"]):
         for rec in rank["records"]:
-            traffic, per_token = _traffic(rec, h)
+            traffic, per_token = _traffic(rec, h, ctx["latent"])
             groups[(traffic, rec["op"], rec["phase"], per_token)][r].append(rec)
     rows = []
     for (traffic, op, phase, per_token), by_rank in groups.items():
@@ -477,14 +518,29 @@ def _analyse_one(result: dict, s: Sizes) -> list[Row]:
 def _set_minimum(row: Row, by_rank: list[list[dict]], s: Sizes, ctx: dict) -> None:
     """Fill the row's analytic minimum and check the measurement against it."""
     t, h, T, layers, moe, ep = row.traffic, s.hidden, ctx["T"], ctx["layers"], ctx["moe"], ctx["ep"]
-    if t.startswith(("attention", "FFN", "embedding")) and row.op.startswith("all_gather"):
+    # MLA with q_lora_rank: the hidden state never enters the tp region, only its latents do
+    latents_only = bool(ctx["latent"] and ctx["q_lora"])
+    if t.startswith("attention latents"):
+        # MLA: the latents [c_q, c_kv, k_rot], w wide, enter the region in one collective per
+        # layer: SP gathers their (b, s/tp, w) shards forward (and in a recompute), the gradient
+        # comes back as one reduce-scatter of b*s*w; without SP only the gradient's all-reduce
+        # of b*s*w. The gathered latents are stored whole: no re-gather in backward.
+        w, gather = ctx["latent"], row.op.startswith("all_gather")
+        n = layers if (row.phase == "backward") != gather else 0
+        row.minimum = n * T * w // (ctx["tp"] if gather else 1)
+        row.formula = f"{n}·b·s·w{'/tp (shards)' if gather else ''}, w = {w}"
+    elif t.startswith(("attention", "FFN", "embedding")) and row.op.startswith("all_gather"):
         # Sequence parallelism: each rank contributes its shard of every gathered b*s*h: one
         # per region entry forward, and backward one per region exit plus one per entry by
         # column-parallel layers, which store only the shard and gather it again (Megatron).
         n = 1 if t.startswith("embedding") else layers    # forward, and its recompute at most
-        if row.phase == "backward":
+        if t.startswith("attention") and latents_only:
+            n = layers if row.phase == "backward" else 0    # o_proj's output gradient only
+        elif row.phase == "backward":
             n += n - (moe if t.startswith("FFN") else 0)    # MoE layers store no gathered input
         row.minimum, row.formula = n * T * h // ctx["tp"], f"{n}·b·s·h/tp (shards)"
+    elif t.startswith("attention") and latents_only and row.phase == "backward":
+        row.minimum, row.formula = 0, "0 (no hidden-state entry)"
     elif t.startswith(("attention", "FFN")):
         row.minimum, row.formula = layers * T * h, f"{layers}·b·s·h"
     elif t.startswith("routing-weight"):
@@ -544,6 +600,87 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------ MLA at scale
+
+# (name, hidden, q_lora_rank or None, kv_lora_rank, qk_rope_head_dim), from the recipes
+MLA_SHAPES = (("DeepSeek-V3 / Kimi K2", 7168, 1536, 512, 64),        # recipes/deepseek_v3.yaml
+              ("Moonlight-16B / V2-Lite", 2048, None, 512, 64))      # recipes/moonlight_16b_a3b.yaml
+
+
+def attention_volumes(h: int, latent: int | None, q_lora: bool, tp: int, tokens: int,
+                      sp: bool) -> dict[tuple, int]:
+    """One block's attention TP collectives on one rank: {(op, phase): elements}, counted as in
+    the table (all-reduce, reduce-scatter: the tensor; all-gather: this rank's shard).
+
+    GQA (``latent`` None): the hidden state's entry into q/k/v and o_proj's exit, T h each way
+    (SP: all-gather T h/tp + reduce-scatter T h forward, reduce-scatter T h + 2 all-gathers of
+    T h/tp backward). MLA: the latents, w = ``latent`` wide, enter in one collective (all-reduce
+    of T w backward; SP: all-gather T w/tp forward, reduce-scatter T w backward); with
+    ``q_lora`` the hidden state does not enter at all (o_proj's exit remains), without it q_proj
+    enters it as GQA does. The tiny layouts' counts equal this (tests/parallel/test_comm_volume.py).
+    """
+    out: dict[tuple, int] = defaultdict(int)
+    t = tokens
+    hidden_entry = latent is None or not q_lora
+    if sp:
+        out[("reduce_scatter_tensor", "forward")] += t * h                  # o_proj
+        out[("all_gather_into_tensor", "backward")] += t * h // tp          # its gradient
+        if hidden_entry:                                                    # q/k/v or q_proj
+            out[("all_gather_into_tensor", "forward")] += t * h // tp
+            out[("reduce_scatter_tensor", "backward")] += t * h
+            out[("all_gather_into_tensor", "backward")] += t * h // tp      # stored as a shard
+        if latent:
+            out[("all_gather_into_tensor", "forward")] += t * latent // tp
+            out[("reduce_scatter_tensor", "backward")] += t * latent
+    else:
+        out[("all_reduce", "forward")] += t * h                             # o_proj
+        if hidden_entry:
+            out[("all_reduce", "backward")] += t * h
+        if latent:
+            out[("all_reduce", "backward")] += t * latent
+    return dict(out)
+
+
+def wire_elements(volumes: dict[tuple, int], tp: int) -> float:
+    """Elements one rank sends for ``volumes`` with ring collectives: an all-reduce of n sends
+    2 (tp-1)/tp n, a reduce-scatter of n (tp-1)/tp n, an all-gather of an n/tp shard (tp-1) n/tp."""
+    factor = {"all_reduce": 2 * (tp - 1) / tp, "reduce_scatter_tensor": (tp - 1) / tp,
+              "all_gather_into_tensor": tp - 1}
+    return sum(factor[op] * n for (op, _), n in volumes.items())
+
+
+def mla_comparison(tp: int = 8, tokens: int = 4096) -> str:
+    """Markdown: per block and micro-batch of ``tokens`` (per rank, before SP's split), MLA's
+    attention TP traffic against GQA's at the same hidden size, for ``MLA_SHAPES`` at ``tp``."""
+    short = {"all_reduce": "AR", "reduce_scatter_tensor": "RS", "all_gather_into_tensor": "AG"}
+
+    def fmt(vol, phase):
+        return " + ".join(f"{short[op]} {n / 1e6:.2f}M" for (op, ph), n in sorted(vol.items())
+                          if ph == phase) or "-"
+
+    lines = [f"MLA against GQA at the same hidden size: one block's attention TP collectives per "
+             f"rank, tp {tp}, {tokens} tokens per micro-batch (elements as in the table above; "
+             f"wire: what a rank sends with ring collectives, bf16)", "",
+             "| model | sp | attention | w | forward | backward | wire MB | vs GQA "
+             "| + down-projection grad all-reduce over tp, bf16 |", "|" + "---|" * 9]
+    for name, h, r_q, r_kv, rope in MLA_SHAPES:
+        w = (r_q or 0) + r_kv + rope
+        for sp in (True, False):
+            gqa = attention_volumes(h, None, False, tp, tokens, sp)
+            mla = attention_volumes(h, w, bool(r_q), tp, tokens, sp)
+            base = wire_elements(gqa, tp) * 2
+            for label, vol in (("GQA (hidden in)", gqa), ("MLA (latents in)", mla)):
+                wire = wire_elements(vol, tp) * 2
+                mla_row = vol is mla
+                params = h * w + (r_q or 0) + r_kv      # q_a_proj, kv_a_proj_with_mqa, 2 norms
+                extra = (f"{params / 1e6:.2f}M params: {2 * (tp - 1) / tp * params * 2 / 1e6:.1f} MB "
+                         f"per micro-batch (step mode: per step)" if mla_row and sp else "-")
+                lines.append(f"| {name} | {'yes' if sp else 'no'} | {label} | {w if mla_row else '-'} "
+                             f"| {fmt(vol, 'forward')} | {fmt(vol, 'backward')} | {wire / 1e6:.1f} | "
+                             f"{wire / base - 1:+.0%} | {extra} |")
+    return "\n".join(lines)
+
+
 def run(sizes: Sizes, layouts: tuple[str, ...] | None = None) -> dict:
     """Spawn 2 gloo ranks, count, and return the gathered records."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -567,6 +704,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(name for name, *_ in LAYOUTS),
                    help="comma-separated subset of the layouts")
     p.add_argument("--json", default=None, help="also write the raw records and rows here")
+    p.add_argument("--mla-tp", type=int, default=8, help="tp of the MLA-against-GQA table")
+    p.add_argument("--mla-tokens", type=int, default=4096,
+                   help="tokens per micro-batch of the MLA-against-GQA table (DeepSeek-V3: 1 x 4096)")
     return p.parse_args(argv)
 
 
@@ -587,6 +727,7 @@ def main(argv=None) -> int:
     for r in rows:
         if not r.per_token and r.note:
             print(f"\nnote ({r.layout} {r.scope}): {r.traffic}: {r.note}")
+    print("\n" + mla_comparison(args.mla_tp, args.mla_tokens))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(data, rows=[dataclasses.asdict(r) for r in rows]), f, indent=1)

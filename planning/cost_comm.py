@@ -16,11 +16,33 @@ from planning.hardware import Cluster
 # reduce-scatter its full tensor per rank, an all-gather this rank's shard, an all-to-all what
 # a rank sends, off-rank rows included).
 
+def _mla_attention(put, t: float, h: int, tp: int, shape: Shape, sp: bool) -> None:
+    """MLA's attention (``model/mla.py``): the w-wide latents enter the tp region in one
+    collective, the hidden state only through q_proj (no query latent); o_proj leaves as GQA's."""
+    w = shape.latent
+    if sp:
+        put("all_gather", "forward", t * w / tp)
+        put("reduce_scatter", "forward", t * h)
+        put("reduce_scatter", "backward", t * w)
+        put("all_gather", "backward", t * h / tp)
+    else:
+        put("all_reduce", "forward", t * h)
+        put("all_reduce", "backward", t * w)
+    if not shape.latent_q:               # q_proj reads the hidden state, as GQA's q/k/v
+        if sp:
+            put("all_gather", "forward", t * h / tp)
+            put("reduce_scatter", "backward", t * h)
+            put("all_gather", "backward", t * h / tp)
+        else:
+            put("all_reduce", "backward", t * h)
+
+
 def tp_volumes(shape: Shape, layout: Layout, layers: range, head: bool = False,
                embedding: bool | None = None) -> dict[tuple, float]:
     """TP/SP collectives of one micro-batch on one rank over ``layers``: {(op, phase): elements}.
 
     Per layer, without SP: one all-reduce of T h forward after the attention and after the FFN,
+    (MLA: ``_mla_attention``)
     and one backward each for the gradients entering q/k/v and the FFN. With SP each becomes a
     reduce-scatter of T h plus an all-gather of the T h / tp shard, and backward gathers the
     shard once more where a column-parallel layer stored only its input's shard (q/k/v and
@@ -51,7 +73,9 @@ def tp_volumes(shape: Shape, layout: Layout, layers: range, head: bool = False,
         moe = shape.is_moe(i)
         subs = [False] + ([] if moe and layout.expert_tp == 1 else [moe])   # attention, FFN
         for is_moe in subs:
-            if layout.sp:
+            if shape.latent and not is_moe:
+                _mla_attention(put, t, h, tp, shape, layout.sp)
+            elif layout.sp:
                 put("reduce_scatter", "forward", t * h)
                 put("all_gather", "forward", t * h / tp)
                 put("reduce_scatter", "backward", t * h)

@@ -42,6 +42,8 @@ class Shape:
     attn_params: int = 0            # attention matmul weights per layer when not GQA's (MLA); 0: GQA
     v_head_dim: int = 0             # value width per head when not head_dim (MLA); 0: head_dim
     mtp: int = 0                    # multi-token prediction depths: a block, projection and head each
+    latent: int = 0                 # MLA: width of the latents entering the tp region; 0: GQA
+    latent_q: bool = True           # MLA: the query from a latent (q_lora_rank), not the hidden state
 
     @classmethod
     def from_config(cls, cfg: TransformerConfig) -> "Shape":
@@ -53,7 +55,9 @@ class Shape:
                          shared_gate=bool(moe.num_shared_experts and moe.shared_expert_gate),
                          first_dense=moe.first_k_dense, moe_every=moe.moe_layer_freq)
         if cfg.mla:      # head_dim: the query-key width; every head has its own key and value
-            extra.update(attn_params=cfg.attention_matmul_params, v_head_dim=cfg.v_head_dim)
+            extra.update(attn_params=cfg.attention_matmul_params, v_head_dim=cfg.v_head_dim,
+                         latent=(cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                         latent_q=bool(cfg.q_lora_rank))
         extra["mtp"] = cfg.mtp_depth
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.qk_head_dim,
                    cfg.ffn_hidden_size, cfg.vocab_size, **extra)

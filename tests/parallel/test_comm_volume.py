@@ -1,7 +1,8 @@
 """Collectives of one forward+backward against the analytic minimum (``benchmarks/comm_volume.py``).
 
 One 2-rank spawn (about 10 s) counts TP2 dense (kv heads >= tp), TP2 Mixtral with sequence
-parallelism and EP2 Mixtral (dropless, top-2) at block and model scope; every test reads its rows. Counts are per rank; all-reduce elements are
+parallelism, EP2 Mixtral (dropless, top-2) and TP2 and TP2 + SP Mixtral with multi-head latent
+attention (with and without q_lora_rank) at block and model scope; every test reads its rows. Counts are per rank; all-reduce elements are
 the reduced tensor, all-to-all elements are summed over the ranks. The cost model's volumes
 (``planning.cost_model.tp_volumes`` and ``ep_volumes``, for the same sizes) equal these counts
 exactly.
@@ -15,13 +16,15 @@ from benchmarks import comm_volume as cv
 from planning import cost_model as cm
 
 SIZES = cv.Sizes(batch=2, seq=8, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=64, experts=4,
-                 top_k=2, layers=2)
+                 top_k=2, layers=2, q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6,
+                 qk_rope_head_dim=4, v_head_dim=5)     # the MLA layouts' widths (kv heads = heads)
 BSH = SIZES.batch * SIZES.seq * SIZES.hidden          # b*s*h at TP (every rank has all tokens)
+MLA_LAYOUTS = ("tp2/mla", "tp2/mla-noqlora", "tp2-sp/mla", "tp2-sp/mla-noqlora")
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return cv.analyse(cv.run(SIZES, ("tp2/dense", "tp2-sp/mixtral", "ep2/mixtral")))
+    return cv.analyse(cv.run(SIZES, ("tp2/dense", "tp2-sp/mixtral", "ep2/mixtral") + MLA_LAYOUTS))
 
 
 def _rows(rows, layout, scope, phase=None):
@@ -107,6 +110,17 @@ TH = T * H
         ("reduce_scatter", "forward"): 2 * 2 * TH + TH, ("all_gather", "forward"): (2 * 2 + 1) * TH / 2,
         ("reduce_scatter", "backward"): 2 * 2 * TH + TH, ("all_gather", "backward"): (2 * 3 + 2) * TH / 2,
         ("all_reduce", "forward"): 3 * T, ("all_reduce", "backward"): 2 * T * K}),
+    # MLA (planning/cost_comm._mla_attention), per block: the latents, w wide, in one collective,
+    # o_proj out as GQA's; without q_lora_rank q_proj's hidden-state entry too; the MoE as Mixtral's
+    ("tp2/mla", "mla", False, "block", {
+        ("all_reduce", "forward"): 2 * TH,
+        ("all_reduce", "backward"): T * (SIZES.q_lora_rank + SIZES.kv_lora_rank + SIZES.qk_rope_head_dim)
+        + TH + T * K}),
+    ("tp2-sp/mla-noqlora", "mla-noqlora", True, "block", {
+        ("reduce_scatter", "forward"): 2 * TH,
+        ("all_gather", "forward"): T * (SIZES.kv_lora_rank + SIZES.qk_rope_head_dim) / 2 + 2 * TH / 2,
+        ("reduce_scatter", "backward"): T * (SIZES.kv_lora_rank + SIZES.qk_rope_head_dim) + 2 * TH,
+        ("all_gather", "backward"): 3 * TH / 2, ("all_reduce", "backward"): T * K}),
 ])
 def test_cost_model_tp_volumes_equal_the_counted_elements(rows, layout, family, sp, scope, want):
     counted = defaultdict(int)
@@ -119,6 +133,91 @@ def test_cost_model_tp_volumes_equal_the_counted_elements(rows, layout, family, 
     assert cm.tp_volumes(shape, lay, range(shape.layers), head=model, embedding=model) == want
     if model:       # the first stage holds the embedding by default
         assert cm.tp_volumes(shape, lay, range(shape.layers), head=True) == want
+
+
+# MLA (model/mla.py): the latents [c_q, c_kv, k_rot] enter the tp region together, w wide
+R_Q, R_KV, D_ROPE = SIZES.q_lora_rank, SIZES.kv_lora_rank, SIZES.qk_rope_head_dim
+LATENT = "attention latents in (TP, MLA)"
+HIDDEN = "attention in/out (TP)"
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+def test_mla_block_moves_its_latents_in_one_collective(rows, layout):
+    """MLA, per block (T = b·s = 16 tokens on every tp rank, h = 32, tp = 2): the latents, w =
+    q_lora_rank + kv_lora_rank + qk_rope_head_dim = 12 + 10 + 4 = 26 wide (14 without
+    q_lora_rank), enter the tp region in one collective; the hidden state enters only q_proj:
+
+    * TP2: forward all-reduce T h (o_proj); backward all-reduce T w (the latents' gradient);
+      without q_lora_rank also all-reduce T h backward (q_proj's input gradient).
+    * TP2 + SP: forward all-gather T w/tp (the latents' shards) + reduce-scatter T h (o_proj);
+      backward reduce-scatter T w + all-gather T h/tp (o_proj's output gradient); without
+      q_lora_rank also all-gather T h/tp forward into q_proj, and backward its reduce-scatter of
+      T h and a re-gather of T h/tp (it stores only the shard), as GQA's q/k/v.
+
+    The FFN is Mixtral's, row for row; ``comm_volume.attention_volumes`` (its DeepSeek-V3 table)
+    gives the same counts."""
+    sp, q_lora = "-sp/" in layout, not layout.endswith("noqlora")
+    w, tp = (R_Q if q_lora else 0) + R_KV + D_ROPE, 2
+    if sp:
+        want = {(LATENT, "all_gather_into_tensor", "forward"): (1, T * w // tp),
+                (LATENT, "reduce_scatter_tensor", "backward"): (1, T * w),
+                (HIDDEN, "reduce_scatter_tensor", "forward"): (1, TH),
+                (HIDDEN, "all_gather_into_tensor", "backward"): (1, TH // tp)}
+        if not q_lora:
+            want.update({(HIDDEN, "all_gather_into_tensor", "forward"): (1, TH // tp),
+                         (HIDDEN, "reduce_scatter_tensor", "backward"): (1, TH),
+                         (HIDDEN, "all_gather_into_tensor", "backward"): (2, 2 * TH // tp)})
+    else:
+        want = {(LATENT, "all_reduce", "backward"): (1, T * w),
+                (HIDDEN, "all_reduce", "forward"): (1, TH)}
+        if not q_lora:
+            want[(HIDDEN, "all_reduce", "backward")] = (1, TH)
+    block = _rows(rows, layout, "block")
+    got = {(r.traffic, r.op, r.phase): (r.count, r.elements) for r in block
+           if r.traffic.startswith("attention")}
+    assert got == want
+    assert all(r.ok and r.elements == r.minimum for r in block if r.per_token), block
+    volumes = defaultdict(int)
+    for (_, op, phase), (_, n) in got.items():
+        volumes[(op, phase)] += n
+    assert cv.attention_volumes(H, w, q_lora, tp, T, sp) == dict(volumes)
+    ffn = [r for r in block if r.per_token and not r.traffic.startswith("attention")]
+    if sp:
+        mixtral = [r for r in _rows(rows, "tp2-sp/mixtral", "block") if r.per_token
+                   and not r.traffic.startswith("attention")]
+        assert [(r.traffic, r.op, r.phase, r.count, r.elements) for r in ffn] == \
+            [(r.traffic, r.op, r.phase, r.count, r.elements) for r in mixtral]
+    else:
+        assert {(r.traffic, r.op, r.phase, r.count, r.elements) for r in ffn} == {
+            ("FFN in/out (TP)", "all_reduce", "forward", 1, TH),
+            ("FFN in/out (TP)", "all_reduce", "backward", 1, TH),
+            ("routing-weight grad (TP)", "all_reduce", "backward", 1, T * K)}
+    n = SIZES.layers       # model scope: once per layer
+    latent = {(r.op, r.count, r.elements) for r in _rows(rows, layout, "model") if r.traffic == LATENT}
+    assert latent == ({("all_gather_into_tensor", n, n * T * w // tp),
+                       ("reduce_scatter_tensor", n, n * T * w)} if sp
+                      else {("all_reduce", n, n * T * w)})
+
+
+@pytest.mark.parametrize("layout", MLA_LAYOUTS)
+def test_mla_down_projection_grads_are_summed_over_tp_only_under_sp(rows, layout):
+    """Under SP each tp rank runs q_a_proj, kv_a_proj_with_mqa and the latent norms on its own
+    tokens: one all-reduce per parameter over tp, per block 2 h (the block's norms) + h w +
+    q_lora_rank + kv_lora_rank elements (w as above); without SP the latents' gradient
+    all-reduce already made them whole, and nothing is summed."""
+    q_lora = not layout.endswith("noqlora")
+    r_q = R_Q if q_lora else 0
+    sync = [r for r in _rows(rows, layout, "block") if r.traffic.startswith("replicated")]
+    if "-sp/" not in layout:
+        assert sync == []
+        return
+    names = ["input_layernorm", "post_attention_layernorm", "self_attn.kv_a_layernorm",
+             "self_attn.kv_a_proj_with_mqa"] + (["self_attn.q_a_layernorm", "self_attn.q_a_proj"]
+                                                 if q_lora else [])
+    (r,) = sync
+    assert r.where == ", ".join(sorted(f"{n}.weight" for n in names))
+    assert (r.count, r.elements) == (len(names), 2 * H + H * (r_q + R_KV + D_ROPE) + r_q + R_KV)
+    assert r.elements == r.minimum and not r.note, r
 
 
 def _counted_exchange(rows, layout: str, scope: str) -> dict:
@@ -164,7 +263,8 @@ def test_every_collective_is_explained_and_replicas_sync_once(rows):
     assert all(r.ok for r in rows if r.layout.startswith("ep"))
     sync = [r for r in rows if r.traffic.startswith("replicated")]
     assert {(r.layout, r.scope) for r in sync} == {(layout, scope) for scope in ("block", "model")
-                                                   for layout in ("ep2/mixtral", "tp2-sp/mixtral")}
+                                                   for layout in ("ep2/mixtral", "tp2-sp/mixtral",
+                                                                  "tp2-sp/mla", "tp2-sp/mla-noqlora")}
     for r in sync:      # ep: every parameter outside the experts, its gradient summed once over
                         # ep; tp with sequence parallelism: every norm weight once over tp
         assert r.phase == "backward" and r.elements == r.minimum and not r.note, r
