@@ -136,13 +136,16 @@ def test_recipe_header_commands_are_what_the_scripts_run(tmp_path):
         header = "".join(l for l in recipe.read_text().splitlines(keepends=True) if l.startswith("#"))
         line = re.search(r"^#\s+(?:Launch: )?(deepspeed .*launch/train\.py .*)$", header, re.M).group(1)
         ds = _deepspeed_parse_args(shlex.split(line)[1:])
-        if ds.hostfile == "hostfile":
-            script = {2: "multinode_hostfile.sh", 8: "multinode_8x8.sh"}[ds.num_nodes]
+        env = {}
+        if ds.hostfile == "hostfile":     # other node counts: multinode_hostfile.sh with NUM_NODES
+            script = "multinode_8x8.sh" if ds.num_nodes == 8 else "multinode_hostfile.sh"
+            env = {} if ds.num_nodes in (2, 8) else {"NUM_NODES": str(ds.num_nodes)}
+            assert not env or f"NUM_NODES={ds.num_nodes} launch/{script}" in header, recipe.name
             prefix = [_hostfile(tmp_path, ds.num_nodes)]
         else:
             script, prefix = {1: "gpu_1.sh", 8: "node_8gpu.sh"}[ds.num_gpus], []
         train = train_parse_args(ds.user_args)
-        out = _run(script, *prefix, train.recipe, train.config).stdout.strip()
+        out = _run(script, *prefix, train.recipe, train.config, env=env).stdout.strip()
         assert (out.replace(prefix[0], "hostfile") if prefix else out) == line, recipe.name
         named = re.findall(r"launch/(\w+\.sh)", header)
         assert set(named) <= {script}, f"{recipe.name} names {named}, its command is {script}'s"

@@ -152,7 +152,7 @@ def test_flex_kernel_matches_the_sdpa_mask(monkeypatch):
     sdpa = model(ids).logits
     monkeypatch.setattr(dm, "default_kernel", lambda device: "flex")
     seen, real = [], dm.attend
-    monkeypatch.setattr("model.transformer.attend",
+    monkeypatch.setattr("model.block.attend",
                         lambda q, k, v, mask, *a: seen.append(type(mask).__name__) or real(q, k, v, mask, *a))
     flex = model(ids).logits
     assert seen == ["BlockMask"] * cfg.num_layers
