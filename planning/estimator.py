@@ -26,7 +26,6 @@ import itertools
 import shlex
 from pathlib import Path
 
-from model.checkpointing import CheckpointPolicy
 from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
 from planning.build_memory import build_bytes
