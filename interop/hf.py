@@ -151,7 +151,7 @@ def to_hf_config(cfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> 
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_seq_len, initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters=hf_deepseek._rope_parameters(cfg), attention_dropout=0.0, dtype=dtype)
+        rope_parameters=hf_deepseek.rope_parameters(cfg), attention_dropout=0.0, dtype=dtype)
     if target == "llama":
         return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
     moe = cfg.moe

@@ -64,7 +64,8 @@ def refusals(cfg: TransformerConfig) -> list[tuple[bool, str]]:
     ]
 
 
-def _rope_parameters(cfg: TransformerConfig) -> dict:
+def rope_parameters(cfg: TransformerConfig) -> dict:
+    """Our RoPE (plain or YaRN) as transformers' ``rope_parameters``, for every family."""
     rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     if cfg.rope_scaling == "yarn":
         rope.update(rope_type="yarn", factor=float(cfg.rope_factor),
@@ -80,10 +81,10 @@ def to_config(cfg: TransformerConfig, common: dict) -> PretrainedConfig:
     """Our (already checked) MLA MoE config as a ``DeepseekV3Config``; ``common``: the fields
     every HF decoder config shares (see ``interop/hf.py``)."""
     moe = cfg.moe
-    drop = ("head_dim", "rope_parameters", "router_aux_loss_coef")   # DeepSeek's own names below
+    drop = ("head_dim", "router_aux_loss_coef")   # DeepSeek's own names below
     fields = {k: v for k, v in common.items() if k not in drop}
     return DeepseekV3Config(
-        **fields, rope_parameters=_rope_parameters(cfg), rope_interleave=True,
+        **fields, rope_interleave=True,
         moe_intermediate_size=cfg.expert_ffn_size, n_routed_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k, n_shared_experts=moe.num_shared_experts,
         first_k_dense_replace=moe.first_k_dense, n_group=moe.n_group, topk_group=moe.topk_group,
