@@ -124,7 +124,7 @@ class TransformerConfig:
     @property
     def moe_block_ids(self) -> list[int]:
         """The blocks with an MoE FFN, in order: the model's, then the MTP modules' (block
-        ``num_layers + d`` for depth d, as DeepSeek numbers its MTP layer)."""
+        ``num_layers + d - 1`` for depth d = 1..D, as DeepSeek numbers its MTP layer)."""
         blocks = range(self.num_layers + self.mtp_depth)
         return [i for i in blocks if self.is_moe_layer(i)]
 

@@ -35,8 +35,8 @@ IGNORE_INDEX = -100
 
 class MTPModule(nn.Module):
     """One depth: the two input norms, the projection of their concatenation, a transformer
-    block (index ``num_layers + depth``: an MoE block where the model's rule says so) and the
-    module's final norm. Tensor parallel as the main model's blocks; ``eh_proj`` is small and
+    block (index ``num_layers + depth - 1``, DeepSeek's numbering: an MoE block where the model's
+    rule says so) and the module's final norm. Tensor parallel as the main model's blocks; ``eh_proj`` is small and
     whole on every tp rank (``ReplicatedLinear``)."""
 
     def __init__(self, cfg: TransformerConfig, depth: int, groups: ParallelGroups | None = None):
@@ -44,7 +44,7 @@ class MTPModule(nn.Module):
         h, eps = cfg.hidden_size, cfg.norm_eps
         self.enorm, self.hnorm = RMSNorm(h, eps, groups), RMSNorm(h, eps, groups)
         self.eh_proj = ReplicatedLinear(2 * h, h, groups)
-        self.block = Block(cfg, cfg.num_layers + depth, groups)
+        self.block = Block(cfg, cfg.num_layers + depth - 1, groups)
         self.norm = RMSNorm(h, eps, groups)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope, mask=None):

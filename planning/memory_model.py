@@ -179,6 +179,8 @@ def local_params(cfg: TransformerConfig, layout: Layout, stage: int = 0) -> dict
         other += vocab
     if last:      # the final norm, the head, and each MTP depth's norms and (H, 2H) projection
         other += h + (vocab if not cfg.tie_embeddings or layout.pp > 1 else 0) + len(mtp) * (2 * h * h + 3 * h)
+        if mtp and layout.pp > 1 and not cfg.tie_embeddings:
+            other += vocab     # the embedding's copy for the tokens ahead (training/engine/pipeline.py)
     if stage == 0 or last:
         largest = max(largest, vocab)
     return {"expert": expert, "other": other, "total": expert + other, "largest_module": largest}

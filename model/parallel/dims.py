@@ -115,8 +115,4 @@ def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str
     if pp > m.num_layers:
         out.append(f"parallel.pipeline_parallel_size ({pp}) exceeds model.num_layers "
                    f"({m.num_layers}): choose at most {m.num_layers}")
-    if m.mtp_depth and pp > 1:
-        out.append(f"model.mtp_depth ({m.mtp_depth}) with parallel.pipeline_parallel_size ({pp}): "
-                   f"the MTP modules are not placed on pipeline stages yet; set mtp_depth 0 or "
-                   f"pipeline_parallel_size 1")
     return out

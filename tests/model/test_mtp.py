@@ -17,7 +17,6 @@ import torch
 from model import MixtralConfig, Transformer
 from model.config import MoEConfig
 from model.mtp import depth_targets, shifted
-from model.parallel.dims import ParallelDims
 from tests.model.test_document_masking import SEP, packed_window
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -73,10 +72,20 @@ def test_objective_trains_the_modules_and_only_in_training():
     assert len(model(ids, labels).mtp_ce_sum) == 2
 
 
+def test_mtp_blocks_are_numbered_after_the_model_as_deepseek_does():
+    """Depth d's block is block ``num_layers + d - 1`` (DeepSeek-V3's layer 61 after layers
+    0..60): with an MoE block every second layer (1 and 3 of 0..4), the first depth's block (5)
+    is MoE and the second's (6) dense, as ``moe_block_ids`` (the router statistics' rows) says."""
+    moe = dataclasses.replace(CFG.moe, first_k_dense=0, moe_layer_freq=2)
+    cfg = dataclasses.replace(CFG, num_layers=5, moe=moe).validate()
+    model = Transformer(cfg, init_seed=3).train()
+    assert cfg.moe_block_ids == [1, 3, 5] and [m.block.is_moe for m in model.mtp] == [True, False]
+    ids = torch.randint(0, cfg.vocab_size, (1, 8))
+    assert len(model(ids, ids).moe_aux) == cfg.num_moe_layers == len(model._moe_layers()) == 3
+
+
 def test_mtp_bad_input_is_one_line():
     with pytest.raises(ValueError, match=r"^model.mtp_depth \(-1\) must be an integer >= 0"):
         dataclasses.replace(CFG, mtp_depth=-1).validate()
     with pytest.raises(ValueError, match=r"^model.mtp_loss_coef \(-0.1\) must be a finite number >= 0"):
         dataclasses.replace(CFG, mtp_loss_coef=-0.1).validate()
-    with pytest.raises(ValueError, match=r"^model.mtp_depth \(2\) with parallel.pipeline_parallel_size \(2\): "):
-        ParallelDims(pp=2, model=CFG)

@@ -45,17 +45,18 @@ LAYOUTS = {"tp2": (2, ["parallel.tensor_parallel_size=2"]),
 # the first stage's blocks reach the loss through the stage I/O (training/engine/pipeline.py).
 PP2 = ["parallel.pipeline_parallel_size=2"]
 # Multi-head latent attention (model/mla.py) with a query latent and YaRN x2 on the default recipe,
-# and two MTP depths (model/mtp.py), at TP2, TP2 + SP under ZeRO-3 and EP2, against its own
-# single-process control; at PP2 without MTP (not placed on stages yet) against a control without.
+# and two MTP depths (model/mtp.py), at TP2, TP2 + SP under ZeRO-3, EP2 and PP2 (the depths on the
+# last stage, training/engine/pipe_layers.py), against its own single-process control.
 MLA = ["model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=24", "model.kv_lora_rank=16",
        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8", "model.v_head_dim=8",
        "model.rope_scaling=yarn", "model.rope_factor=2.0", "model.rope_original_max_seq_len=32",
        "model.yarn_mscale_all_dim=1.0"]
 MTP = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"]
 MLA_LAYOUTS = {"tp2-1": (1, LAYOUTS["tp2"][1] + MTP), "tp2-sp-3": (3, LAYOUTS["tp2-sp"][1] + MTP),
-               "ep2-1": (1, LAYOUTS["ep2"][1] + MTP), "pp2-1": (1, PP2)}
+               "ep2-1": (1, LAYOUTS["ep2"][1] + MTP), "pp2-1": (1, PP2 + MTP)}
 # Micro-batch 2 x accumulation 4 (test_pp2_1f1b_over_four_micro_batches_matches_its_control).
-FOUR_MICRO = [("zero1_fp32", []), ("zero0_fp32", ["model.tie_embeddings=true"])]
+# The tied case also runs one MTP depth: the embedding then serves three layers on two stages.
+FOUR_MICRO = [("zero1_fp32", []), ("zero0_fp32", ["model.tie_embeddings=true", "model.mtp_depth=1"])]
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +70,13 @@ def runs(warm_launcher, tmp_path_factory):
     batches = {1: [("control", "ds_configs/zero2_fp32.json", []),
                    ("control-nj", "ds_configs/zero2_fp32.json", RECIPE_JITTER)]
                + [(f"4micro-control-{c}", four[c], RECIPE_JITTER + x) for c, x in FOUR_MICRO]
-               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA + MTP),
-                  ("mla-control-nomtp", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA)],
+               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA + MTP)],
                2: [(f"{layout}-{stage}", f"ds_configs/zero{stage}_fp32.json", extra)
                    for layout, (nproc, extra) in LAYOUTS.items() if nproc == 2 for stage in range(4)]
                + [(f"pp2-{stage}", f"ds_configs/zero{stage}_fp32.json", RECIPE_JITTER + PP2) for stage in (0, 1)]
                + [(f"4micro-pp2-{c}", four[c], RECIPE_JITTER + x + PP2) for c, x in FOUR_MICRO]
+               + [(f"4micro-pp2-zero0_fp32-{s}", four["zero0_fp32"], RECIPE_JITTER + FOUR_MICRO[1][1] + PP2
+                   + [f"parallel.pipeline_schedule={s}"]) for s in ("gpipe", "zb-h1")]
                + [("ep2-full", "ds_configs/zero2_fp32.json", LAYOUTS["ep2"][1] + ["train.save_every=3"])]
                + [(f"mla-{name}", f"ds_configs/zero{stage}_fp32.json", RECIPE_JITTER + MLA + extra)
                   for name, (stage, extra) in MLA_LAYOUTS.items()],
@@ -131,13 +133,26 @@ def test_mla_layout_matches_its_single_process_control(name, runs):
     """MLA's tp split of heads (latents replicated, gathered once under SP), its ep and pipeline
     stages, with MTP's depths: loss, grad norm, router losses, per-layer norms and each depth's
     MTP loss as the control's, every step."""
-    mtp = name != "pp2-1"
-    ref, got = rows(runs["mla-control" if mtp else "mla-control-nomtp"]), rows(runs[f"mla-{name}"])
+    ref, got = rows(runs["mla-control"]), rows(runs[f"mla-{name}"])
     _assert_same_metrics(ref, got, ("mla", name))
+    _assert_same_mtp_losses(ref, got, depths=2)
+
+
+def test_pp2_mtp_checkpoint_is_the_controls_model(runs):
+    """The PP2 run's per-layer checkpoint files consolidate to the Transformer's keys, the MTP
+    modules' included (``mtp.K``, written by the last stage), with the control's weights."""
+    from interop.consolidate import load_run_model
+    ctrl, pp2 = (load_run_model(runs[name])[0].state_dict() for name in ("mla-control", "mla-pp2-1"))
+    assert sorted(pp2) == sorted(ctrl) and any(k.startswith("mtp.1.block.") for k in pp2)
+    for name, p in pp2.items():
+        torch.testing.assert_close(p, ctrl[name], rtol=1e-4, atol=WEIGHT_ATOL, msg=name)
+
+
+def _assert_same_mtp_losses(ref: list[dict], got: list[dict], depths: int) -> None:
     for a, b in zip(ref, got):
-        assert ("mtp_loss" in b) == mtp and b.get("mtp_loss") == pytest.approx(a.get("mtp_loss"), rel=1e-4)
-    if mtp:   # two depths, each its own loss, learning
-        assert len(ref[0]["mtp_loss"]) == 2 and ref[-1]["mtp_loss"][0] < ref[0]["mtp_loss"][0]
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-4), a["step"]
+    # each depth its own loss, learning
+    assert len(ref[0]["mtp_loss"]) == depths and ref[-1]["mtp_loss"][0] < ref[0]["mtp_loss"][0]
 
 
 def _assert_same_metrics(ref: list[dict], got: list[dict], what) -> None:
@@ -183,8 +198,19 @@ def test_pp2_1f1b_over_four_micro_batches_matches_its_control(config, extra, run
     them). Under ZeRO-0 fp32 DeepSpeed's own clipping would count it twice and clip steps it
     should not (grad norm off by 3e-4 at step 7 here); the trainer clips with its norm instead.
     """
-    _assert_same_metrics(rows(runs[f"4micro-control-{config}"]), rows(runs[f"4micro-pp2-{config}"]),
-                         (config, extra))
+    ref, got = rows(runs[f"4micro-control-{config}"]), rows(runs[f"4micro-pp2-{config}"])
+    _assert_same_metrics(ref, got, (config, extra))
+    if "model.mtp_depth=1" in extra:
+        _assert_same_mtp_losses(ref, got, depths=1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_mtp_on_the_last_stage_under_every_pipeline_schedule(schedule, runs):
+    """GPipe (every forward first) and ZB-H1 (the MTP block's and the head's weight gradients
+    deferred) with tied embeddings and one MTP depth, as its single-process control."""
+    ref, got = rows(runs["4micro-control-zero0_fp32"]), rows(runs[f"4micro-pp2-zero0_fp32-{schedule}"])
+    _assert_same_metrics(ref, got, schedule)
+    _assert_same_mtp_losses(ref, got, depths=1)
 
 
 @pytest.mark.parametrize("config, extra, message", [

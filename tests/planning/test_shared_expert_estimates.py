@@ -35,10 +35,13 @@ def _recipe(extra=()):
 
 
 @pytest.mark.parametrize("mla", [False, True])
-@pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)])
-def test_local_params_equal_the_built_model(tp, ep, pp, mla):
-    """Also with multi-head latent attention (model/mla.py): heads split, latents whole."""
-    cfg = _recipe(MLA if mla else ()).model
+@pytest.mark.parametrize("tp,ep,pp,mtp", [(1, 1, 1, 0), (2, 1, 1, 0), (1, 2, 1, 0), (2, 2, 1, 0),
+                                          (1, 1, 2, 0), (1, 1, 1, 2), (2, 1, 2, 2)])
+def test_local_params_equal_the_built_model(tp, ep, pp, mtp, mla):
+    """Also with multi-head latent attention (model/mla.py): heads split, latents whole; and with
+    MTP depths (model/mtp.py), on the last pipeline stage with a copy of the embedding there
+    (training/engine/pipeline.py: DeepSpeed holds a tied layer's weight on each stage using it)."""
+    cfg = _recipe((MLA if mla else []) + [f"model.mtp_depth={mtp}"]).model
     assert cfg.num_params() == sum(p.numel() for p in Transformer(cfg, init_seed=None).parameters())
     layout = mm.Layout(tp * ep * pp, tp=tp, ep=ep, pp=pp)
     with torch.device("meta"):
@@ -46,11 +49,13 @@ def test_local_params_equal_the_built_model(tp, ep, pp, mla):
     params = dict(model.named_parameters())
     for stage in range(pp):
         layers = set(mm.stage_layers(cfg, pp, stage))
+        last = stage == pp - 1
         names = [n for n in params if (n.startswith("layers.") and int(n.split(".")[1]) in layers)
-                 or (stage == 0 and n.startswith("embed")) or (stage == pp - 1 and not n.startswith(("layers.", "embed")))]
+                 or (stage == 0 and n.startswith("embed")) or (last and not n.startswith(("layers.", "embed")))]
+        copy = params["embed_tokens.weight"].numel() if last and stage > 0 and mtp else 0
         expert = sum(params[n].numel() for n in names if ".experts." in n and "shared" not in n)
         est = mm.local_params(cfg, layout, stage)
-        assert (est["expert"], est["total"]) == (expert, sum(params[n].numel() for n in names)), stage
+        assert (est["expert"], est["total"]) == (expert, sum(params[n].numel() for n in names) + copy), stage
     shared = params["layers.0.mlp.shared_experts.gate_proj.weight"]
     assert shared.shape == (2 * cfg.ffn_hidden_size // tp, cfg.hidden_size)
     assert largest_draw(cfg, layout) >= 2 * cfg.ffn_hidden_size * cfg.hidden_size

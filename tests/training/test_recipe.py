@@ -89,8 +89,10 @@ PUBLISHED = [
     ("mixtral_8x7b.yaml", 46.7e9, 12.9e9, 0.01),
     ("mixtral_8x22b.yaml", 141e9, 39e9, 0.01),
     ("qwen3_30b_a3b.yaml", 30.5e9, 3.3e9, 0.02),       # Qwen3 model card: 30.5B / 3.3B
-    ("deepseek_v3.yaml", 671e9, 37e9, 0.02),          # DeepSeek-V3 report: 671B / 37B (ours 37.6B
-                                                      # counts the output head: 36.6B without it)
+    ("deepseek_v3.yaml", 685e9, 37e9, 0.02),          # DeepSeek-V3 report: 671B / 37B, 685B with its
+                                                      # MTP module (ours 682.6B: its module shares the
+                                                      # embedding and head the checkpoint copies; 37.6B
+                                                      # active counts the output head: 36.6B without)
     ("kimi_k2.yaml", 1.04e12, 32e9, 0.03),            # Kimi K2 card: 1.04T / 32B
     ("moonlight_16b_a3b.yaml", 16e9, 3e9, 0.03),      # Moonlight card: 16B / 3B
 ]

@@ -1,17 +1,28 @@
 """The transformer as a DeepSpeed ``PipelineModule``, trained with DeepSpeed's 1F1B schedule.
 
-Layers, in order (each built only on the stage that owns it)::
+Layers, in order (each built only on the stage that owns it; their stage I/O and the layers
+themselves in ``training/engine/pipe_layers.py``)::
 
-    EmbeddingPipe                      token ids (B, S)          -> (hidden, aux_sum, z_sum[, docs])
-    BlockPipe x num_layers             (hidden, aux_sum, z_sum[, docs]) -> the same
-    HeadPipe (norm + lm_head)          (hidden, aux_sum, z_sum[, docs]) -> (logits, aux_sum, z_sum)
+    EmbeddingPipe                      token ids (B, S)          -> (hidden, aux_sum, z_sum[, docs][, ids])
+    BlockPipe x num_layers             (hidden, aux_sum, z_sum[, docs][, ids]) -> the same
+    [embedding again, embed_ahead      ids -> the embeddings of the tokens 1..D ahead     (MTP)
+     MTPPipe]                          -> the D depths' normalized outputs               (MTP)
+    HeadPipe (norm + lm_head)          -> (logits, aux_sum, z_sum[, docs, depth logits])
       or, with tied embeddings, FinalNormPipe + the embedding again (``TiedLayerSpec``)
 
 Document masking (``model.document_separator_id``): only the first stage sees the token ids, so
 it derives each token's document id, (B, S) int32 (this ep rank's rows; the whole sequence, also
 under sequence parallelism), and the stages carry it with the hidden state; each block builds its
 RoPE positions and attention mask from it (``attention_inputs``). Integer stage outputs get no
-gradient in DeepSpeed's schedule; without masking the stage I/O is the three tensors.
+gradient in DeepSpeed's schedule; without masking or MTP the stage I/O is the three tensors.
+
+Multi-token prediction (``model.mtp_depth`` D > 0, ``model/mtp.py``): the depths sit on the last
+stage after its blocks. They need the token ids there (the first stage adds them to the stage
+I/O, (B, S) integers like the document ids) and the embedding: the embedding is then a
+``TiedLayerSpec`` also without tied embeddings, its copy on the last stage embedding the tokens
+ahead (DeepSpeed sums the two copies' gradients, as for a tied head). ``PipelineLoss`` adds the
+depths' objective, their MoE blocks add to the carried router sums after the model's, and the
+statistics get each depth's cross-entropy, as ``Transformer.forward`` and the trainer do.
 
 Blocks are spread evenly over the stages (``partition_method="type:BlockPipe"``, as Megatron's
 ``type:transformer``); the embedding rides with the first stage, the head with the last.
@@ -25,10 +36,10 @@ the graph: the embedding creates them as zeros derived from its output, and the 
 even for dense models (times 0).
 
 Exactness (the same objective as without a pipeline): the non-pipeline trainer back-propagates, per micro-batch,
-``ce_sum * dp / step_tokens + router_loss / gas``. DeepSpeed's pipeline divides the last stage's
+``(ce_sum + mtp) * dp / step_tokens + router_loss / gas``. DeepSpeed's pipeline divides the last stage's
 loss by the accumulation steps (``engine.backward`` with ``scale_wrt_gas=True``) and averages
 gradients over data-parallel ranks, so ``PipelineLoss`` returns
-``ce_sum * (dp * gas / step_tokens) + router_loss``: the same gradient, up to fp32 summation
+``(ce_sum + mtp) * (dp * gas / step_tokens) + router_loss``: the same gradient, up to fp32 summation
 order (DeepSpeed back-propagates each stage output separately, so a parameter's gradient on an
 earlier stage is summed in another order; tests/parallel/test_train_layouts.py holds 1e-4).
 Under fp32 ZeRO-0, gradients are clipped with the trainer's norm (``clip_fp32_with_norm``).
@@ -59,163 +70,57 @@ Proven against the single-process control in tests/parallel/test_pipeline_layout
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.utils.checkpoint
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from model import mup
 from model.config import TransformerConfig
-from model.moe.layer import load_balancing_losses
+from model.mtp import depth_targets
 from model.parallel.groups import ParallelGroups
 from model.parallel.grad_sync import ReplicaGradSync
-from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, cross_entropy_sum
-from model.checkpointing import CheckpointPolicy
-from model.document_mask import attention_inputs, document_ids
-from model.rope import rotary_for
-from model.transformer import (IGNORE_INDEX, Block, RMSNorm, expert_parallel_rows,
-                               init_weights, sequence_length)
-
-
-def _load(module: nn.Module, init: dict | None) -> None:
-    # Parameter names are the Transformer's, so an init state dict loads by key.
-    if init is not None:
-        module.load_state_dict({k: init[k] for k in module.state_dict()}, strict=True)
-
-
-class EmbeddingPipe(nn.Module):
-    """First layer: token ids -> (hidden, aux_sum, z_sum), and the document ids under document
-    masking; also the tied head (``unembed``)."""
-
-    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
-        super().__init__()
-        self.groups, self.cfg = groups, cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, groups)
-        init_weights(self, cfg, seed)
-        _load(self, init)
-
-    def forward(self, input_ids: torch.Tensor):
-        input_ids = expert_parallel_rows(input_ids, self.groups)                         # (B/ep, S)
-        x = self.embed_tokens(input_ids)                                                 # (B/ep, S, H)
-        # Zeros inside the autograd graph (a sum over no elements of x): DeepSpeed runs backward
-        # on every floating-point stage output, so the sums must require grad even on a stage
-        # without MoE layers.
-        zero = x.flatten()[:0].sum().float()
-        sep = self.cfg.document_separator_id
-        if sep is None:
-            return x, zero, zero.clone()
-        return x, zero, zero.clone(), document_ids(input_ids, sep)                      # docs (B/ep, S)
-
-
-def unembed(embedding: EmbeddingPipe, inputs):
-    """``forward_fn`` of the tied head: logits from the shared embedding weight."""
-    x, aux_sum, z_sum = inputs[:3]
-    logits = embedding.embed_tokens(x, unembed=True)                              # (B, S, V)
-    return mup.scale_logits(embedding.cfg, logits), aux_sum, z_sum
-
-
-class BlockPipe(nn.Module):
-    """One transformer block; adds its MoE layer's losses to the carried sums.
-
-    The block sits in ``self.layers[str(layer_idx)]`` so that parameter names are the
-    Transformer's (``layers.N.*``): the same init draws, ``--init-from`` keys and checkpoint keys.
-    """
-
-    def __init__(self, cfg: TransformerConfig, layer_idx: int, groups: ParallelGroups, seed: int,
-                 checkpointing: str = "none", init=None):
-        super().__init__()
-        self.groups = groups
-        policy = CheckpointPolicy.parse(checkpointing)
-        block = Block(cfg, layer_idx, groups)
-        block.set_checkpointing(policy)
-        self.layers = nn.ModuleDict({str(layer_idx): block})
-        self.rotary = rotary_for(cfg)
-        self.checkpoint_whole = layer_idx in policy.whole_blocks(cfg.num_layers)
-        self.moe_index = sum(cfg.is_moe_layer(i) for i in range(layer_idx))   # row in the stats
-        self.moe_stats: list = []       # detached MoEAux fields per micro-batch, for the trainer
-        init_weights(self, cfg, seed)
-        _load(self, init)
-
-    @property
-    def block(self) -> Block:
-        return next(iter(self.layers.values()))
-
-    def forward(self, inputs):
-        x, aux_sum, z_sum, *docs = inputs                # docs: [(B, S) ids] under document masking
-        rope, mask = attention_inputs(self.rotary, sequence_length(x, self.groups), x, *docs)
-        if self.checkpoint_whole and self.training:
-            x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, mask, use_reentrant=False)
-        else:
-            x, aux = self.block(x, rope, mask)
-        if aux is not None:
-            balance = load_balancing_losses([aux], self.groups, self.block.mlp.moe.global_balance)[0]
-            aux_sum = aux_sum + balance
-            z_sum = z_sum + aux.z_loss
-            self.moe_stats.append([t.detach() for t in (balance, aux.z_loss, aux.entropy,
-                                                        aux.dropped_frac, aux.routed_per_expert,
-                                                        aux.logit_max, aux.logit_lse)])
-        return x, aux_sum, z_sum, *docs
-
-
-class FinalNormPipe(nn.Module):
-    """The final RMSNorm (before a tied head)."""
-
-    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
-        init_weights(self, cfg, seed)
-        _load(self, init)
-
-    def forward(self, inputs):
-        x, aux_sum, z_sum = inputs[:3]                   # the document ids end here
-        return self.norm(x), aux_sum, z_sum
-
-
-class HeadPipe(nn.Module):
-    """The final RMSNorm and the untied output head."""
-
-    def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int, init=None):
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, groups)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, groups)
-        self.cfg = cfg
-        init_weights(self, cfg, seed)
-        _load(self, init)
-
-    def forward(self, inputs):
-        x, aux_sum, z_sum = inputs[:3]                   # the document ids end here
-        logits = mup.scale_logits(self.cfg, self.lm_head(self.norm(x)))           # (B, S, V)
-        return logits, aux_sum, z_sum
+from model.parallel.layers import cross_entropy_sum
+from model.transformer import IGNORE_INDEX, expert_parallel_rows
+from training.engine.pipe_layers import (BlockPipe, EmbeddingPipe, FinalNormPipe, HeadPipe, MTPPipe,
+                                         embed_ahead, split_io, unembed)
 
 
 class PipelineLoss:
     """``loss_fn`` of the last stage: the trainer's objective for one micro-batch.
 
-    Returns ``ce_sum * ce_scale + router_loss``, ``ce_scale = dp * gas / step_tokens`` (set by
-    the trainer, see the module docstring), and keeps ``[ce_sum, target_tokens, loss]`` per
-    micro-batch (detached) for the statistics.
+    Returns ``(ce_sum + mtp) * ce_scale + router_loss``, ``ce_scale = dp * gas / step_tokens``
+    (set by the trainer, see the module docstring), ``mtp`` the MTP depths' objective
+    (``Transformer.mtp_objective``: ``mtp_loss_coef / D`` x their cross-entropy sums, targets from
+    ``depth_targets``), and keeps ``[ce_sum, target_tokens, loss, depth ce sums..., depth
+    targets...]`` per micro-batch (detached) for the statistics.
     """
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups):
-        self.moe, self.num_moe_layers = cfg.moe, cfg.num_moe_layers
+        self.cfg, self.moe, self.num_moe_layers = cfg, cfg.moe, cfg.num_moe_layers
         self.groups = groups
         self.vocab_start = groups.tp_rank * cfg.vocab_size // groups.tp
         self.ce_scale: float | None = None
         self.records: list[torch.Tensor] = []
 
+    def _ce(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, targets, self.groups, self.vocab_start, IGNORE_INDEX)
+
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
-        logits, aux_sum, z_sum = outputs
+        logits, aux_sum, z_sum, docs, depth_logits = split_io(self.cfg, outputs)
         labels = expert_parallel_rows(labels, self.groups)       # the rows EmbeddingPipe kept on this rank
-        ce_sum = cross_entropy_sum(logits, labels, self.groups, self.vocab_start, IGNORE_INDEX)
+        ce_sum = self._ce(logits, labels)
         if self.moe is None:          # keep the carried sums in the graph (see module docstring)
             router = 0.0 * (aux_sum + z_sum)
         else:                         # means over MoE layers, as Transformer.router_loss
             router = (self.moe.aux_loss_coef * (aux_sum / self.num_moe_layers)
                       + self.moe.z_loss_coef * (z_sum / self.num_moe_layers))
-        loss = ce_sum * self.ce_scale + router
-        self.records.append(torch.stack([ce_sum.detach().double(),
-                                         (labels != IGNORE_INDEX).sum().double(),
-                                         loss.detach().double()]))
+        targets = [depth_targets(labels, k, docs[0] if docs else None)
+                   for k in range(1, len(depth_logits) + 1)]
+        depth_ce = [self._ce(lg, t) for lg, t in zip(depth_logits, targets)]
+        mtp = self.cfg.mtp_loss_coef / len(depth_ce) * torch.stack(depth_ce).sum() if depth_ce else 0.0
+        loss = (ce_sum + mtp) * self.ce_scale + router
+        record = [ce_sum.detach().double(), (labels != IGNORE_INDEX).sum().double(), loss.detach().double()]
+        record += [c.detach().double() for c in depth_ce]
+        record += [(t != IGNORE_INDEX).sum().double() for t in targets]
+        self.records.append(torch.stack(record))
         return loss
 
 
@@ -234,15 +139,19 @@ class TransformerPipe(PipelineModule):
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups, seed: int,
                  checkpointing: str = "none", init: dict | None = None):
         args = (cfg, groups, seed)
-        layers = [TiedLayerSpec("embed", EmbeddingPipe, *args, init=init,
-                                tied_weight_attr=["embed_tokens.weight"])
-                  if cfg.tie_embeddings else LayerSpec(EmbeddingPipe, *args, init=init)]
+
+        def tied_embedding(**forward):            # one weight on the first and the last stage
+            return TiedLayerSpec("embed", EmbeddingPipe, *args, init=init,
+                                 tied_weight_attr=["embed_tokens.weight"], **forward)
+        tied = cfg.tie_embeddings or cfg.mtp_depth > 0
+        layers = [tied_embedding() if tied else LayerSpec(EmbeddingPipe, *args, init=init)]
         layers += [LayerSpec(BlockPipe, cfg, i, groups, seed, checkpointing, init=init)
                    for i in range(cfg.num_layers)]
+        if cfg.mtp_depth:       # the MTP depths on the last stage, before the final norm
+            layers += [tied_embedding(forward_fn=embed_ahead),
+                       LayerSpec(MTPPipe, *args, checkpointing, init=init)]
         if cfg.tie_embeddings:
-            layers += [LayerSpec(FinalNormPipe, *args, init=init),
-                       TiedLayerSpec("embed", EmbeddingPipe, *args, init=init, forward_fn=unembed,
-                                     tied_weight_attr=["embed_tokens.weight"])]
+            layers += [LayerSpec(FinalNormPipe, *args, init=init), tied_embedding(forward_fn=unembed)]
         else:
             layers.append(LayerSpec(HeadPipe, *args, init=init))
         topology = PipeModelDataParallelTopology(num_pp=groups.pp, num_mp=groups.tp * groups.ep,
@@ -257,47 +166,51 @@ class TransformerPipe(PipelineModule):
         # pipeline engine runs backward per micro-batch outside the trainer's loop).
         self.grad_sync = ReplicaGradSync(self, groups)
 
-    def _blocks(self) -> list[BlockPipe]:
-        return [m for m in self.forward_funcs if isinstance(m, BlockPipe)]
+    def _moe_holders(self) -> list:
+        """This stage's layers that hold MoE blocks: ``BlockPipe``s and ``MTPPipe``."""
+        return [m for m in self.forward_funcs if isinstance(m, (BlockPipe, MTPPipe))]
 
     def reset_stats(self) -> None:
         """Forget the stashed per-micro-batch values (before each step and evaluation)."""
         self.loss_fn.records.clear()
-        for block in self._blocks():
-            block.moe_stats.clear()
+        for layer in self._moe_holders():
+            layer.moe_stats.clear()
 
     def add_step_stats(self, stats: torch.Tensor, gas: int, layout) -> None:
         """Add this rank's values to the trainer's statistics vector (``layout``, a
         ``training.step.stats.StatsLayout``): router values as means over micro-batches, the
-        scalars also over MoE layers, as ``StatsLayout.add_micro_batch``. Device-side adds
-        only: no communication, no host copy."""
-        for record in self.loss_fn.records:          # (ce_sum, target tokens, loss)
+        scalars also over MoE layers, as ``StatsLayout.add_micro_batch``; the MTP depths'
+        cross-entropy sums and targets. Device-side adds only: no communication, no host copy."""
+        for record in self.loss_fn.records:          # (ce_sum, target tokens, loss, mtp...)
             stats[0] += record[0]
             stats[1] += record[1]
             stats[2] += (~torch.isfinite(record[2])).double()
+            if record.numel() > 3:
+                stats[layout.mtp] += record[3:]
         if self.cfg.moe is None:
             return
         layers = self.cfg.num_moe_layers
-        for block in self._blocks():
-            for aux, z, entropy, dropped, counts, logit_max, logit_lse in block.moe_stats:
+        for layer in self._moe_holders():
+            for row, (aux, z, entropy, dropped, counts, logit_max, logit_lse) in layer.moe_stats:
                 for i, value in enumerate((aux, z, entropy, dropped)):
                     stats[3 + i] += value.double() / layers / gas
-                layout.add_layer(stats, block.moe_index, counts, entropy, dropped, logit_max,
-                                 logit_lse, gas)
+                layout.add_layer(stats, row, counts, entropy, dropped, logit_max, logit_lse, gas)
+
+    def _moe_blocks(self) -> list:
+        return [pair for layer in self._moe_holders() for pair in layer.moe_blocks()]
 
     def expert_biases(self) -> list[tuple[int, torch.Tensor]]:
         """(MoE layer index, expert bias) of this stage's routers that hold one."""
-        return [(b.moe_index, b.block.mlp.gate.e_score_correction_bias) for b in self._blocks()
-                if b.block.is_moe and b.block.mlp.gate.e_score_correction_bias is not None]
+        return [(row, block.mlp.gate.e_score_correction_bias) for row, block in self._moe_blocks()
+                if block.mlp.gate.e_score_correction_bias is not None]
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor) -> None:
         """Loss-free balancing on this stage: each of its MoE blocks updates its router's bias
         from its row of ``counts`` (L_moe, E), the step's counts of every MoE layer summed over
         the batch group and the stages (``Transformer.update_expert_bias``)."""
-        for block in self._blocks():
-            if block.block.is_moe:
-                block.block.mlp.gate.update_bias(counts[block.moe_index])
+        for row, block in self._moe_blocks():
+            block.mlp.gate.update_bias(counts[row])
 
     def eval_sums(self) -> torch.Tensor:
         """``[ce_sum, target_tokens]`` of the stashed micro-batches (zeros off the last stage)."""
