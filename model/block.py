@@ -16,6 +16,7 @@ from model.document_mask import attend
 from model.mla import MLAttention
 from model.moe.layer import MoEAux, MoELayer
 from model.norm import RMSNorm
+from model.parallel.context import context_attention
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel_linears,
                                    kv_heads_for_rank)
@@ -32,7 +33,9 @@ class Attention(nn.Module):
     is this rank's (B, S/tp, H) shard: it is gathered once for q, k and v, and the output is
     reduce-scattered back to a shard. Optional (Qwen): q/k/v biases, split with their output
     rows, and a per-head RMSNorm on q and k before RoPE, whose (hd,) weights every tp rank holds
-    whole and applies to its own heads (gradient summed over tp; see ``RMSNorm``).
+    whole and applies to its own heads (gradient summed over tp; see ``RMSNorm``). Under
+    context parallelism the rank holds S/cp tokens and attention runs over the cp group
+    (``model.parallel.context.context_attention``, exchange ``parallel.cp_comm``).
     """
 
     def __init__(self, cfg: TransformerConfig, groups: ParallelGroups | None = None):
@@ -60,7 +63,7 @@ class Attention(nn.Module):
             x, [p.weight for p in projs], self.groups)
         if self.q_proj.bias is not None:               # (nh*hd/tp,) ... this rank's rows
             q, k, v = (t + p.bias for t, p in zip((q, k, v), projs))
-        B, S, _ = q.shape                              # S: the whole sequence, also under SP
+        B, S, _ = q.shape                              # S: the whole sequence (S/cp under CP), also under SP
         q = q.view(B, S, self.num_heads, self.head_dim).transpose(1, 2)        # (B, nh, S, hd)
         k = k.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
         v = v.view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)     # (B, nkv, S, hd)
@@ -71,7 +74,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         gqa = k.shape[1] != self.num_heads
-        if mask is None:                               # one causal sequence per row
+        if self.groups.cp > 1:                         # S/cp tokens here: exchange over cp
+            y = context_attention(q, k, v, self.groups.cp_group, self.groups.cp_comm, self.scale, mask)
+        elif mask is None:                             # one causal sequence per row
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:                                          # packed documents apart
             y = attend(q, k, v, mask, self.scale, gqa)

@@ -31,6 +31,10 @@ them on the tokens it holds. The latents then enter the tensor-parallel region i
 (B, S/tp, .) latent shards, narrower than the hidden state, as Megatron-Core does), so the
 down-projections' gradients are complete on each rank, summed over tp only under sequence
 parallelism, where each rank saw different tokens (as the norms).
+
+Context parallelism: the rank holds S/cp tokens and attention runs over the cp group
+(``model.parallel.context.context_attention``); the padded values give q, k and v one head
+width, which the exchanges need too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from model.config import TransformerConfig
 from model.document_mask import attend
 from model.norm import RMSNorm
 from model.parallel import weight_grad
+from model.parallel.context import context_attention
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                    check_tp_divides, column_parallel_linears, enter_tp_region)
@@ -111,7 +116,9 @@ class MLAttention(nn.Module):
         pad = self.nope + self.rope - self.v_dim
         if pad > 0:      # fused kernels want one head width: zero value dims, sliced off below
             v = F.pad(v, (0, pad))                                           # (B, nh, S, qk)
-        if mask is None:                               # one causal sequence per row
+        if self.groups.cp > 1:                         # S/cp tokens here: exchange over cp
+            y = context_attention(q, k, v, self.groups.cp_group, self.groups.cp_comm, self.scale, mask)
+        elif mask is None:                             # one causal sequence per row
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:                                          # packed documents apart
             y = attend(q, k, v, mask, self.scale, False)

@@ -82,9 +82,13 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, seq_len: int, device: torch.device, dtype: torch.dtype,
                 positions: torch.Tensor | None = None):
-        """cos, sin for positions 0..S-1, (S, hd); or for (B, S) ``positions``, (B, 1, S, hd)."""
+        """cos, sin for positions 0..S-1, (S, hd); for (s,) ``positions`` (a context-parallel
+        rank's tokens, ``model/parallel/cp_layout.py``), (s, hd); for (B, s) ``positions`` (per
+        document), (B, 1, s, hd)."""
         inv_freq = self.inv_freq.to(device=device, dtype=torch.float32)
-        if positions is not None:            # per document (model/document_mask.py)
+        if positions is not None and positions.dim() == 1:      # the same positions for every row
+            freqs = torch.outer(positions.float(), inv_freq)                            # (s, hd/2)
+        elif positions is not None:          # per document (model/document_mask.py)
             freqs = positions.float()[:, None, :, None] * inv_freq                     # (B, 1, S, hd/2)
         else:
             pos = torch.arange(seq_len, device=device, dtype=torch.float32)

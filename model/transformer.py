@@ -22,6 +22,7 @@ from model.block import Attention, Block, MLP
 from model.document_mask import attention_inputs, document_ids
 from model.moe.layer import MoEAux, load_balancing_losses
 from model.mtp import MTPModule, depth_targets, shifted
+from model.parallel.cp_layout import cp_attention_inputs, split_for_cp
 from model.parallel.grad_sync import ReplicaGradSync
 from model.norm import RMSNorm
 from model.parallel.groups import ParallelGroups
@@ -178,17 +179,26 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
         """input_ids, labels: (B, S); labels already shifted (position t predicts labels[t]),
-        ``-100`` where no target."""
-        input_ids = expert_parallel_rows(input_ids, self.groups)
-        labels = expert_parallel_rows(labels, self.groups) if labels is not None else None
-        if self.groups.sequence_parallel and input_ids.shape[1] % self.groups.tp:
+        ``-100`` where no target. Under context parallelism every cp rank gets the whole window
+        and keeps its ``split_for_cp`` slice (the document ids are taken on the whole window
+        first); the logits and losses are then those of its S/cp tokens."""
+        g = self.groups
+        input_ids = expert_parallel_rows(input_ids, g)
+        labels = expert_parallel_rows(labels, g) if labels is not None else None
+        S, sep = input_ids.shape[1], self.cfg.document_separator_id
+        docs = None if sep is None else document_ids(input_ids, sep)          # (B, S) whole window
+        if g.cp > 1:        # this cp rank's load-balanced S/cp tokens (model/parallel/context.py)
+            input_ids = split_for_cp(input_ids, g.cp, g.cp_rank)                # (B, S/cp)
+            labels = split_for_cp(labels, g.cp, g.cp_rank) if labels is not None else None
+        if g.sequence_parallel and input_ids.shape[1] % g.tp:
             raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
-                             f"parallel.tensor_parallel_size ({self.groups.tp}) under "
+                             f"parallel.tensor_parallel_size ({g.tp}) under "
                              f"parallel.sequence_parallel")
-        x = self.embed_tokens(input_ids)                        # (B, S, H); S/tp under SP
-        sep = self.cfg.document_separator_id
-        docs = None if sep is None else document_ids(input_ids, sep)          # (B, S)
-        rope, mask = attention_inputs(self.rotary, input_ids.shape[1], x, docs)
+        x = self.embed_tokens(input_ids)                        # (B, s, H); s/tp under SP
+        if g.cp > 1:
+            rope, mask = cp_attention_inputs(self.rotary, S, x, docs, g.cp, g.cp_rank, g.cp_comm)
+        else:
+            rope, mask = attention_inputs(self.rotary, S, x, docs)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):
             if self.training and layer_idx in self.checkpoint_blocks:

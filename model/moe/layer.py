@@ -28,9 +28,10 @@ from model.parallel.layers import enter_tp_region, leave_tp_region
 class MoEAux:
     """Auxiliary outputs of one MoE layer (losses unweighted; the model applies coefficients).
 
-    Every field is this rank's contribution: under expert parallelism, where each ep rank routes
-    its own slice of the micro-batch, summing a field over the ep group gives the value over the
-    whole micro-batch (with one rank it is that value). The load-balancing loss needs the routed
+    Every field is this rank's contribution: under expert and context parallelism, where each
+    rank routes its own slice of the micro-batch (rows over ep, sequence chunks over cp), summing
+    a field over the ep x cp group gives the value over the whole micro-batch (with one rank it
+    is that value). The load-balancing loss needs the routed
     counts of the whole micro-batch, so it is not a field: ``load_balancing_losses`` computes it
     for all MoE layers at once, after the forward, with one all-reduce of their counts.
     """
@@ -159,7 +160,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         x, router_in = x.reshape(-1, shape[-1]), router_in.reshape(-1, shape[-1])   # (T, H)
         num_tokens = x.shape[0]
-        total_tokens = num_tokens * ep                                      # the micro-batch's T
+        total_tokens = num_tokens * ep * g.cp        # the micro-batch's T (split over ep x cp)
         # Jitter noise per micro-batch sample (this ep rank's come after the lower ranks'), so
         # that every layout draws the unsharded model's noise (see ``TopKRouter``).
         routing = Routing(*self.gate(router_in, first_sample=g.ep_rank * shape[0],
@@ -290,10 +291,10 @@ class MoELayer(nn.Module):
 def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = None,
                           global_batch: bool = False) -> torch.Tensor:
     """(L,) this rank's share of each MoE layer's load-balancing loss (``losses.
-    load_balancing_loss``), summing over the ep group to the micro-batch's loss.
+    load_balancing_loss``), summing over the ep x cp group to the micro-batch's loss.
 
     The loss weighs each expert's mean probability by its routed count over the whole
-    micro-batch. The counts carry no gradient, so the layers' counts are summed over the ep group
+    micro-batch. The counts carry no gradient, so the layers' counts are summed over the ep x cp group
     here, after the forward, in one all-reduce per micro-batch rather than one per layer (and
     none is repeated when backward recomputes a checkpointed layer). With ``global_batch``
     (``MoEConfig.balance_over``) the same one all-reduce runs over the batch group (dp x ep) and
@@ -304,7 +305,7 @@ def load_balancing_losses(auxes: list[MoEAux], groups: ParallelGroups | None = N
     the step is not.
     """
     groups = groups or ParallelGroups()
-    group, replicas = (groups.batch_group, groups.dp) if global_batch else (groups.ep_group, 1)
+    group, replicas = (groups.batch_group, groups.dp) if global_batch else (groups.ep_cp_group, 1)
     counts = torch.stack([a.routed_per_expert for a in auxes])              # (L, E) this rank's
     counts = comm.all_reduce_sum(counts, group).to(auxes[0].mean_prob.dtype) / replicas
     if global_batch:

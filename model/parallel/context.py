@@ -62,12 +62,13 @@ from torch.nn.attention.bias import causal_lower_right
 from model.document_mask import attend
 from model.parallel.comm import _active, gather_dim, reduce_scatter_dim
 from model.parallel.cp_layout import (CP_COMMS, _check_comm, _check_split, _local_attention, _natural_slots,
-                                      cp_document_mask, cp_document_positions, from_cp_order,
-                                      gather_from_cp, lb_chunks, positions_for_cp, split_for_cp)
+                                      cp_attention_inputs, cp_document_mask, cp_document_positions,
+                                      from_cp_order, gather_from_cp, lb_chunks, positions_for_cp,
+                                      split_for_cp)
 from model.parallel.ring import ring_attention
 
-__all__ = ["CP_COMMS", "allgather_kv_attention", "context_attention", "cp_document_mask",
-           "cp_document_positions", "from_cp_order", "gather_from_cp", "heads_to_seq", "lb_chunks",
+__all__ = ["CP_COMMS", "allgather_kv_attention", "context_attention", "cp_attention_inputs",
+           "cp_document_mask", "cp_document_positions", "from_cp_order", "gather_from_cp", "heads_to_seq", "lb_chunks",
            "positions_for_cp", "ring_attention", "seq_to_heads", "split_for_cp", "ulysses_attention"]
 
 def _to_heads(parts, cp: int, group) -> torch.Tensor:

@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from model.document_mask import (KERNELS, attend, attention_mask, create_block_mask, default_kernel,
                                  document_positions)
 from model.parallel.comm import _active, gather_dim
-
-CP_COMMS = ("a2a", "allgather", "p2p")
+from model.parallel.dims import CP_COMMS
 
 
 # ------------------------------------------------------------------------------------------
@@ -100,6 +99,19 @@ def cp_document_mask(doc_ids: torch.Tensor, cp: int, rank: int, cp_comm: str, ke
     kernel = kernel or default_kernel(doc_ids.device)
     c = S // (2 * cp)
     return tuple(_prefix_mask(doc_ids, start, c, kernel) for start in (rank * c, (2 * cp - 1 - rank) * c))
+
+
+def cp_attention_inputs(rotary, seq_len: int, x: torch.Tensor, doc_ids: torch.Tensor | None,
+                        cp: int, rank: int, cp_comm: str):
+    """(rope, mask) for the blocks of cp rank ``rank``'s tokens of a ``seq_len`` window (the
+    context-parallel ``attention_inputs``): RoPE at the rank's window positions
+    (``positions_for_cp``) and mask None (causal); or, with the window's (B, S) ``doc_ids``,
+    RoPE at the positions inside each document (``cp_document_positions``) and
+    ``cp_document_mask`` for ``cp_comm``. ``x``: the rank's residual stream (device, dtype)."""
+    if doc_ids is None:
+        return rotary(seq_len, x.device, x.dtype, positions_for_cp(seq_len, cp, rank, x.device)), None
+    return (rotary(seq_len, x.device, x.dtype, cp_document_positions(doc_ids, cp, rank)),
+            cp_document_mask(doc_ids, cp, rank, cp_comm))
 
 
 def _prefix_mask(doc_ids: torch.Tensor, start: int, c: int, kernel: str):

@@ -1,7 +1,7 @@
 """The parallel layout's degrees, validated once, up front (torchtitan's ``ParallelDims``).
 
-    dims = ParallelDims(tp=2, ep=4, pp=1, sp=True, world_size=64, model=cfg, seq_len=4096)
-    dims.dp                                    # 8: the ranks left for data parallelism
+    dims = ParallelDims(tp=2, ep=4, pp=1, sp=True, world_size=64, model=cfg, seq_len=4096, cp=2)
+    dims.dp                                    # 4: the ranks left for data parallelism
 
 Every check of a degree lives here: the recipe (``training/config/schema.py``), the process groups
 (``model/parallel/groups.py``), the memory planner and the out-of-memory ladder all build one. The
@@ -11,6 +11,7 @@ checks that also need the DeepSpeed JSON (micro-batch vs ep, ZeRO stage vs pipel
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from model.config import TransformerConfig, is_int
@@ -18,7 +19,7 @@ from model.config import TransformerConfig, is_int
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Tensor-, expert-, pipeline-parallel degrees and sequence parallelism of one job.
+    """Tensor-, expert-, context-, pipeline-parallel degrees and sequence parallelism of one job.
 
     Construction raises ``ValueError`` naming the field, the value and the fix for the first
     problem (``problems`` lists them all). ``world_size``, ``model`` and ``seq_len`` are optional:
@@ -39,7 +40,11 @@ class ParallelDims:
     model: TransformerConfig | None = None
     """The model the degrees must divide."""
     seq_len: int | None = None
-    """Tokens per sample, split over tp under sequence parallelism."""
+    """Tokens per sample, split over cp (2 x cp chunks) and then over tp under sequence parallelism."""
+    cp: int = 1
+    """Context-parallel degree (``parallel.context_parallel_size``): ranks splitting every sequence."""
+    cp_comm: str = "a2a"
+    """Context parallelism's attention exchange (``parallel.cp_comm``): a2a, allgather or p2p."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -48,14 +53,14 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Data-parallel degree: ``world_size / (tp * ep * pp)``."""
+        """Data-parallel degree: ``world_size / (tp * ep * cp * pp)``."""
         assert self.world_size is not None, "ParallelDims built without a world size"
-        return self.world_size // (self.tp * self.ep * self.pp)
+        return self.world_size // (self.tp * self.ep * self.cp * self.pp)
 
     def problems(self) -> list[str]:
         """Every problem of this layout, one line each, first the degrees themselves."""
         degrees = (("tensor_parallel_size", self.tp), ("expert_parallel_size", self.ep),
-                   ("pipeline_parallel_size", self.pp))
+                   ("pipeline_parallel_size", self.pp), ("context_parallel_size", self.cp))
         out = [f"parallel.{name} ({value!r}) must be an integer >= 1"
                for name, value in degrees if not is_int(value, 1)]
         if self.world_size is not None and not is_int(self.world_size, 1):
@@ -64,17 +69,49 @@ class ParallelDims:
             return out
         if self.model is not None:
             out += _model_problems(self.model, self.tp, self.ep, self.pp)
-        if self.sp and self.seq_len is not None and self.seq_len % self.tp:
+        if self.cp > 1:
+            out += _cp_problems(self)
+        elif self.sp and self.seq_len is not None and self.seq_len % self.tp:
             out.append(f"data.seq_len ({self.seq_len}) is not divisible by "
                        f"parallel.tensor_parallel_size ({self.tp}): sequence parallelism splits "
                        f"every sequence over the tensor-parallel ranks; use a multiple of {self.tp}")
-        model = self.tp * self.ep * self.pp
+        model = self.tp * self.ep * self.cp * self.pp
         if self.world_size is not None and self.world_size % model:
             out.append(f"world size ({self.world_size}) is not divisible by tensor_parallel_size x "
-                       f"expert_parallel_size x pipeline_parallel_size ({self.tp} x {self.ep} x "
-                       f"{self.pp} = {model}): launch a multiple of {model} processes (GPUs) or "
-                       f"change the parallel sizes")
+                       f"expert_parallel_size x context_parallel_size x pipeline_parallel_size "
+                       f"({self.tp} x {self.ep} x {self.cp} x {self.pp} = {model}): launch a "
+                       f"multiple of {model} processes (GPUs) or change the parallel sizes")
         return out
+
+
+CP_COMMS = ("a2a", "allgather", "p2p")
+
+
+def _cp_problems(d: ParallelDims) -> list[str]:
+    """What context parallelism needs: whole chunks of the sequence (2 per cp rank, and the
+    local S/cp split over tp under sequence parallelism), the query heads of a tp rank split
+    over cp for the all-to-all, no pipeline stages, no MTP."""
+    cp, out = d.cp, []
+    if d.cp_comm not in CP_COMMS:
+        out.append(f"parallel.cp_comm ({d.cp_comm!r}) must be one of {', '.join(CP_COMMS)}")
+    need = math.lcm(2 * cp, cp * d.tp) if d.sp else 2 * cp
+    if d.seq_len is not None and d.seq_len % need:
+        why = f"2 x cp chunks, each rank's S/cp split over tp = {d.tp}" if d.sp else "2 x cp chunks"
+        out.append(f"data.seq_len ({d.seq_len}) is not divisible by {need} for "
+                   f"parallel.context_parallel_size ({cp}) ({why}): use a multiple of {need}")
+    if d.model is not None and d.cp_comm == "a2a" and d.model.num_heads % d.tp == 0 \
+            and (d.model.num_heads // d.tp) % cp:
+        out.append(f"parallel.context_parallel_size ({cp}) does not divide the query heads per "
+                   f"tp rank (model.num_heads {d.model.num_heads} / tp {d.tp}) for parallel.cp_comm "
+                   f"a2a: use cp_comm allgather or p2p, or a cp that divides them")
+    if d.pp > 1:
+        out.append(f"parallel.context_parallel_size ({cp}) with parallel.pipeline_parallel_size "
+                   f"({d.pp}): the pipeline stages do not carry the cp split yet; set one of them to 1")
+    if d.model is not None and d.model.mtp_depth:
+        out.append(f"parallel.context_parallel_size ({cp}) with model.mtp_depth "
+                   f"({d.model.mtp_depth}): MTP shifts tokens across the cp shards; set "
+                   f"mtp_depth 0 or context_parallel_size 1")
+    return out
 
 
 def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str]:

@@ -207,6 +207,15 @@ TRAIN_CASES = [
                                            "parallel.sequence_parallel=true", "data.seq_len=63"],
      r"data\.seq_len \(63\) is not divisible by parallel\.tensor_parallel_size \(2\): sequence "
      r"parallelism splits every sequence over the tensor-parallel ranks; use a multiple of 2"),
+    ("cp_not_dividing_heads", lambda w: ["--config", w.good, "--set", "data.seq_len=96",
+                                         f"parallel.context_parallel_size={_heads(w) - 1}"],
+     r"parallel\.context_parallel_size \((\d+)\) does not divide the query heads per tp rank "
+     r"\(model\.num_heads \d+ / tp 1\) for parallel\.cp_comm a2a: use cp_comm allgather or p2p, "
+     r"or a cp that divides them"),
+    ("cp_with_pipeline", lambda w: ["--config", w.good, "--set", "parallel.context_parallel_size=2",
+                                    "parallel.pipeline_parallel_size=2"],
+     r"parallel\.context_parallel_size \(2\) with parallel\.pipeline_parallel_size \(2\): the "
+     r"pipeline stages do not carry the cp split yet; set one of them to 1"),
     ("steps_0", lambda w: ["--config", w.good, "--steps", "0"],
      r"--steps: 0 must be >= 1"),
     ("init_from_missing", lambda w: ["--config", w.good, "--init-from", w.path("no_init")],

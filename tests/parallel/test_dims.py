@@ -25,7 +25,7 @@ def test_degrees_world_and_data_parallel_size():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tp=0), r"parallel\.tensor_parallel_size \(0\) must be an integer >= 1"),
     (dict(ep=True), r"parallel\.expert_parallel_size \(True\) must be an integer >= 1"),
-    (dict(tp=2, world_size=3), r"world size \(3\) is not divisible by .* \(2 x 1 x 1 = 2\): launch a "
+    (dict(tp=2, world_size=3), r"world size \(3\) is not divisible by .* \(2 x 1 x 1 x 1 = 2\): launch a "
                                r"multiple of 2 processes"),
     (dict(tp=3, model=MIXTRAL), r"parallel\.tensor_parallel_size \(3\) does not divide "
                                 r"model\.num_heads \(8\): choose a divisor of 8"),
@@ -45,6 +45,43 @@ def test_each_problem_is_one_line_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         ParallelDims(**kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cp=0), r"parallel\.context_parallel_size \(0\) must be an integer >= 1"),
+    (dict(cp=2, seq_len=62), r"data\.seq_len \(62\) is not divisible by 4 for "
+                             r"parallel\.context_parallel_size \(2\) \(2 x cp chunks\): use a multiple of 4"),
+    # SP splits each rank's S/cp = 44 tokens over tp 8: 88 is refused (96 would do).
+    (dict(cp=2, tp=8, sp=True, seq_len=88, cp_comm="p2p", model=replace(MIXTRAL, vocab_size=128)),
+     r"data\.seq_len \(88\) is not divisible by 16 for parallel\.context_parallel_size \(2\) "
+     r"\(2 x cp chunks, each rank's S/cp split over tp = 8\)"),
+    (dict(cp=3, model=MIXTRAL), r"parallel\.context_parallel_size \(3\) does not divide the query "
+                                r"heads per tp rank \(model\.num_heads 8 / tp 1\) for parallel\.cp_comm "
+                                r"a2a: use cp_comm allgather or p2p"),
+    (dict(cp=4, tp=4, model=replace(MIXTRAL, vocab_size=128)), r"does not divide the query heads per "
+                                                               r"tp rank \(model\.num_heads 8 / tp 4\)"),
+    (dict(cp=2, cp_comm="ring"), r"parallel\.cp_comm \('ring'\) must be one of a2a, allgather, p2p"),
+    (dict(cp=2, pp=2), r"parallel\.context_parallel_size \(2\) with parallel\.pipeline_parallel_size "
+                       r"\(2\): .*set one of them to 1"),
+    (dict(cp=2, model=replace(MIXTRAL, mtp_depth=1)), r"parallel\.context_parallel_size \(2\) with "
+                                                      r"model\.mtp_depth \(1\)"),
+    (dict(cp=2, tp=2, world_size=6), r"world size \(6\) is not divisible by .* \(2 x 1 x 2 x 1 = 4\)"),
+])
+def test_context_parallel_refusals_are_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ParallelDims(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_context_parallel_degrees_that_work():
+    """cp takes its share of the world; any cp with allgather and p2p (3 does not divide 8 heads);
+    a2a with GQA's kv heads fewer than cp (repeated, see ``ulysses_attention``); SP at the lcm."""
+    dims = ParallelDims(tp=2, ep=2, cp=2, world_size=16, model=MIXTRAL, seq_len=64)
+    assert dims.dp == 2 and dims.problems() == []
+    for comm in ("allgather", "p2p"):
+        ParallelDims(cp=3, cp_comm=comm, model=MIXTRAL, seq_len=66)
+    ParallelDims(cp=4, model=MIXTRAL, seq_len=64)           # 2 kv heads, cp 4: a2a repeats them
+    ParallelDims(cp=2, tp=2, sp=True, model=MIXTRAL, seq_len=4)     # S/cp = 2, split over tp 2
 
 
 def test_kv_heads_split_or_replicated():

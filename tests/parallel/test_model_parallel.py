@@ -233,6 +233,19 @@ def _four_ranks(rank, world):
     dp2 = build_groups(tp=2)                                  # tp 2 x dp 2
     assert dp2.dp == 2 and total(dp2.dp_group) == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
     _check(cfgs["switch"], dp2, "tp2-dp2/switch")
+    # Context parallelism, rank order tp, ep, cp, dp: cp 2 x dp 2, then ep 2 x cp 2. DeepSpeed's
+    # data parallelism (the mpu) is dp x cp; the data shards over dp.
+    cp = build_groups(cp=2)
+    assert (cp.cp_rank, cp.dp_rank) == (rank % 2, rank // 2)
+    assert total(cp.cp_group) == {0: 1, 1: 1, 2: 5, 3: 5}[rank]
+    assert total(cp.dp_group) == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
+    assert total(cp.get_data_parallel_group()) == total(cp.batch_group) == 6
+    assert (cp.get_data_parallel_world_size(), cp.get_data_parallel_rank()) == (4, rank)
+    ecp = build_groups(ep=2, cp=2)
+    assert (ecp.ep_rank, ecp.cp_rank) == (rank % 2, rank // 2) and ecp.dp_group is None
+    assert total(ecp.cp_group) == total(ecp.get_data_parallel_group()) == {0: 2, 1: 4, 2: 2, 3: 4}[rank]
+    assert total(ecp.ep_cp_group) == total(ecp.batch_group) == 6
+    assert (ecp.get_data_parallel_world_size(), ecp.get_data_parallel_rank()) == (2, rank // 2)
     for jitter in (0.01, 0.5):                                # router jitter, trainer's seeds
         _check(_switch_with_jitter(jitter), g, f"tp2xep2/switch-jitter-{jitter}", seed=_trainer_seed(g))
     _check(_switch_with_jitter(0.5), sp, "tp2xep2-sp/switch-jitter", seed=_trainer_seed(sp))

@@ -40,6 +40,10 @@ class ParallelConfig:
     """1f1b (DeepSpeed's TrainSchedule) or gpipe (all forwards, then all backwards); zb-h1 is not available yet."""
     sequence_parallel: bool = False
     """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
+    context_parallel_size: int = 1
+    """Ranks splitting every sequence (2 x cp load-balanced chunks); only attention communicates (docs/context-parallelism.md)."""
+    cp_comm: Literal["a2a", "allgather", "p2p"] = "a2a"
+    """Context parallelism's attention exchange: a2a (Ulysses, cp divides heads per tp rank), allgather (K/V), p2p (ring)."""
     expert_placement: Literal["contiguous", "round_robin"] = "contiguous"
     """Which experts an EP rank holds: a contiguous block, or every ep-th expert."""
     timeout_minutes: float = 30.0
@@ -62,7 +66,8 @@ class ParallelConfig:
     """Ranks per node for the hierarchical exchange; null = LOCAL_WORLD_SIZE, the ranks the launcher starts per node."""
 
     def __post_init__(self) -> None:
-        ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size)
+        ParallelDims(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size,
+                     cp=self.context_parallel_size, cp_comm=self.cp_comm)
         if not self.timeout_minutes > 0:
             raise ValueError(f"parallel.timeout_minutes ({self.timeout_minutes}) must be > 0: "
                              f"give the minutes a collective may wait (30 is a good default)")
@@ -258,7 +263,7 @@ class Recipe:
     model: TransformerConfig
     """Validated model config of the family's class (DenseConfig, SwitchConfig, MixtralConfig)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """TP/EP/PP layout."""
+    """TP/EP/CP/PP layout."""
     data: DataConfig = field(default_factory=DataConfig)
     """Corpus and sample length."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -284,7 +289,7 @@ class Recipe:
         par = self.parallel
         return ParallelDims(par.tensor_parallel_size, par.expert_parallel_size,
                             par.pipeline_parallel_size, par.sequence_parallel, world_size,
-                            self.model, self.seq_len)
+                            self.model, self.seq_len, par.context_parallel_size, par.cp_comm)
 
     @property
     def seq_len(self) -> int:

@@ -43,7 +43,7 @@ def _build_model(recipe, init_from: Path | None, groups: ParallelGroups,
         recipe = dataclasses.replace(recipe, model=dataclasses.replace(
             recipe.model, document_separator_id=eos_token_id))      # validated by the Recipe
     if builds_partitioned(ds) and recipe.parallel.pipeline_parallel_size == 1:
-        ds_for_init, _ = schedules.split_scheduler(ds)    # DeepSpeed's keys only
+        ds_for_init, _ = schedules.split_scheduler(deepspeed_view(ds, groups))    # DeepSpeed's keys only
         model = build_partitioned(recipe.model, groups, ds_for_init, recipe.train.seed, init_from)
         model.set_activation_checkpointing(recipe.train.activation_checkpointing)
         return compile_blocks(model, recipe.train.compile, ds)
@@ -61,6 +61,17 @@ def _build_model(recipe, init_from: Path | None, groups: ParallelGroups,
     return compile_blocks(model, recipe.train.compile)
 
 
+def deepspeed_view(ds: dict, groups: ParallelGroups) -> dict:
+    """The JSON as DeepSpeed gets it. Under context parallelism DeepSpeed's data-parallel group
+    is dp x cp (``model/parallel/groups.py``) and it checks ``train_batch_size`` = micro x
+    accumulation x that group's size, so there each sample counts once per cp rank (each holds
+    S/cp of its tokens); the trainer's own ``train_batch_size`` (data, tokens, lr scaling,
+    config.json) counts samples."""
+    if groups.cp == 1:
+        return ds
+    return {**ds, "train_batch_size": ds["train_batch_size"] * groups.cp}
+
+
 def build_engine(model: Transformer, ds: dict, total_steps: int, groups: ParallelGroups,
                  model_cfg: TransformerConfig | None = None, pipeline_schedule: str = "1f1b"):
     """``deepspeed.initialize`` with our parameter groups (muP's per-group lrs when ``model_cfg``
@@ -69,7 +80,7 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    ds, our_sched = schedules.split_scheduler(ds)
+    ds, our_sched = schedules.split_scheduler(deepspeed_view(ds, groups))
     wd = float(((ds.get("optimizer") or {}).get("params") or {}).get("weight_decay", 0.0))
     ds, no_decay_group = optimizers.split_no_decay_group(ds)     # the JSON's "no_decay_group"
     param_groups = optimizers.param_groups(model, wd, model_cfg, no_decay_group)
@@ -78,8 +89,8 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     lr_scheduler = None
     if our_sched is not None:      # DeepSpeed calls it with the optimizer it built
         lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
-    # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp only.
-    mpu = groups if groups.tp * groups.ep > 1 else None
+    # DeepSpeed sees tp x ep as its model-parallel group and reduces/shards over dp x cp.
+    mpu = groups if groups.tp * groups.ep * groups.cp > 1 else None
     if groups.pp > 1:   # the pipeline's grid is DeepSpeed's mpu (same rank order, training/engine/pipeline.py)
         from training.engine.pipeline import pipeline_ds_config
         mpu, ds = None, pipeline_ds_config(ds)

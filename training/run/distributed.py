@@ -47,7 +47,7 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
-    groups: ParallelGroups = None  # tp/ep/dp/batch groups (model.parallel.groups)
+    groups: ParallelGroups = None  # tp/ep/cp/dp/batch groups (model.parallel.groups)
     gpu: object = None             # training.hardware.GPUSpec when on a known GPU
     launch_id: int = 0             # the same on every rank of one launch, new at every launch
     timeout_s: float = 7200.0      # the longest a rank waits for rank 0's start-up work (a file)
@@ -79,7 +79,7 @@ class DistContext:
 
     @property
     def batch_group(self):
-        """Every rank that sees different tokens (ep x dp): loss and statistics sum over it."""
+        """Every rank that sees different tokens (ep x cp x dp): loss and statistics sum over it."""
         return self.groups.batch_group
 
     def flops_per_token(self, cfg, recipe: Recipe) -> tuple[float, float]:
@@ -154,7 +154,7 @@ def init_distributed(recipe: Recipe) -> DistContext:
     par = recipe.parallel
     groups = build_groups(par.tensor_parallel_size, par.expert_parallel_size,
                           par.pipeline_parallel_size, par.expert_placement, par.sequence_parallel,
-                          timeout, exchange_node_size(recipe))
+                          timeout, exchange_node_size(recipe), par.context_parallel_size, par.cp_comm)
     # One small collective, before any long work: markers of this launch cannot be stale ones.
     launch_id = torch.tensor([random.SystemRandom().getrandbits(62) if rank == 0 else 0],
                              dtype=torch.int64, device=device)

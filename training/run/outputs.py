@@ -35,6 +35,7 @@ def resolved_config(recipe: Recipe, ds: dict, ctx: DistContext, dp_size: int, en
         "world": {"world_size": ctx.world_size, "data_parallel_size": dp_size,
                   "tensor_parallel_size": par.tensor_parallel_size,
                   "expert_parallel_size": par.expert_parallel_size,
+                  "context_parallel_size": par.context_parallel_size, "cp_comm": par.cp_comm,
                   "pipeline_parallel_size": par.pipeline_parallel_size,
                   # ep ranks per node of the hierarchical expert exchange (0: the flat one)
                   "ep_ranks_per_node": ctx.groups.ep_per_node,

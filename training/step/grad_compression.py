@@ -37,7 +37,7 @@ def apply_grad_compression(ds: dict, compression: str, dims: ParallelDims) -> di
     if compression == "none":
         return ds
     key = f"parallel.grad_compression {compression}"
-    if dims.dp == 1:
+    if dims.dp * dims.cp == 1:
         raise ValueError(f"{key}: this layout has one data-parallel rank, so there is no gradient "
                          f"exchange to compress; use none (or more ranks)")
     if "communication_data_type" in ds:
@@ -69,6 +69,7 @@ def build_compressor(recipe, engine, groups) -> PowerSGD | None:
         return None
     engine.enable_backward_allreduce = False        # our reduction replaces it (see above)
     params = [(name, p) for name, p in engine.module.named_parameters() if p.requires_grad]
-    return PowerSGD(params, groups.dp_group, groups.dp, rank=par.powersgd_rank,
+    # DeepSpeed's data-parallel exchange, which it replaces: over dp x cp (model/parallel/groups.py).
+    return PowerSGD(params, groups.dp_cp_group, groups.dp * groups.cp, rank=par.powersgd_rank,
                     start_steps=par.powersgd_start_steps,
                     error_feedback=par.powersgd_error_feedback, seed=recipe.train.seed)

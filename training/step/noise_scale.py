@@ -48,6 +48,8 @@ def unavailable_reason(ds: dict, groups) -> str | None:
     ``groups`` (None: it can)."""
     if groups.tp * groups.ep * groups.pp > 1:
         return "tensor/expert/pipeline parallel (gradients sharded, or reduced in hooks)"
+    if groups.cp > 1:
+        return "context parallel (a cp rank's gradient is a part of its samples', not a small batch's)"
     zero = ds.get("zero_optimization") or {}
     if int(zero.get("stage", 0)) > 1 or zero.get("overlap_comm", False):
         return "ZeRO-2/3 or overlap_comm (DeepSpeed takes .grad in backward hooks)"

@@ -5,7 +5,9 @@ target tokens of the WHOLE optimizer step (all micro-batches, all data-parallel 
 own token count. DeepSpeed averages gradients over the data-parallel group, so each micro-batch's
 loss is ``ce_sum * dp_size / step_tokens`` and the engine is told not to divide by the
 accumulation steps again. Micro-batch 1 x accumulation 4 then produces the same gradient as
-micro-batch 4 x accumulation 1.
+micro-batch 4 x accumulation 1. Under context parallelism DeepSpeed averages over dp x cp
+(``model/parallel/groups.py``), so both the scale and the router losses (shares over ep x cp
+that sum to the micro-batch's) are multiplied by cp.
 
 The router losses are per micro-batch means (as in Switch/Megatron: the balance statistics are
 taken over the tokens of one forward pass), averaged over micro-batches and ranks. The step's
@@ -89,15 +91,15 @@ class StepDecision:
 class Stepper:
     """Runs training steps and evaluation on ``engine`` and returns metric rows.
 
-    Statistics are summed over the batch group (every rank that sees different tokens: expert
-    and data parallel); tensor-parallel peers hold identical values.
+    Statistics are summed over the batch group (every rank that sees different tokens: expert,
+    context and data parallel); tensor-parallel peers hold identical values.
 
     Args:
         engine: the DeepSpeed engine (``PipelineEngine`` with pipeline stages).
         recipe: the run's recipe (``train`` section: spike handling, ``log_every``).
         ds: the resolved DeepSpeed config (batch sizes, ZeRO stage, precision).
         ctx: ``training.run.distributed.DistContext`` (rank, device and process groups).
-        dp_size: the data-parallel size (the loss is scaled by it, see the module docstring).
+        dp_size: the data-parallel size without cp (the loss is scaled by it, see the module docstring).
         history: what the step carries from step to step and a checkpoint keeps (spike
             window, token count, noise-scale EMAs; ``history.py``); a fresh one when None.
         where: the ``StepContext`` to keep current (a private one when None).
@@ -113,8 +115,8 @@ class Stepper:
         self.compressor = compressor
         self.where = where if where is not None else StepContext()
         self.dp_size, self.tokens_per_step = dp_size, ds["train_batch_size"] * recipe.seq_len
-        self.model = engine.module
-        self.cfg = self.model.cfg
+        self.cp = ctx.groups.cp         # DeepSpeed averages over dp x cp (module docstring)
+        self.model, self.cfg = engine.module, engine.module.cfg
         self.zero_stage = int(ds.get("zero_optimization", {}).get("stage", 0))
         self.half = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
         self.history = history if history is not None else StepHistory.for_run(recipe, ds, ctx, dp_size)
@@ -184,8 +186,8 @@ class Stepper:
         """The step's statistics on the device (``training/step/stats.py``), holding the expert
         biases this step routes with (the same on every rank that holds a layer)."""
         stats = self.stats.new(device)
-        self.stats.add_expert_biases(stats, self.model.expert_biases(),
-                                     self.ctx.groups.dp * self.ctx.groups.ep)   # the batch group
+        g = self.ctx.groups
+        self.stats.add_expert_biases(stats, self.model.expert_biases(), g.dp * g.ep * g.cp)   # the batch group
         return stats
 
     def _forward(self, input_ids, labels, stats: torch.Tensor, gas: int) -> torch.Tensor:
@@ -193,7 +195,7 @@ class Stepper:
         (with the logits) is released on return, before the backward and the next forward."""
         out = self.engine(input_ids.to(self.ctx.device), labels.to(self.ctx.device))
         ce = out.ce_sum + self.model.mtp_objective(out)                 # MTP: model/mtp.py
-        loss = ce * (self.dp_size / self.tokens_per_step) + self.model.router_loss(out) / gas
+        loss = ce * (self.dp_size * self.cp / self.tokens_per_step) + self.model.router_loss(out) * self.cp / gas
         self.stats.add_micro_batch(stats, out, loss.detach(), gas)
         return loss
 
