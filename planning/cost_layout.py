@@ -5,7 +5,7 @@ Conventions: per rank, per micro-batch unless a name says ``step``; bytes; secon
 rank's dense layers compute per micro-batch: ``T = micro_batch x seq_len / cp`` (Megatron,
 torchtitan: expert parallelism is carved out of data parallelism) or that divided by ``ep``
 (this trainer, ``ep_splits_batch``: the ep ranks of a data-parallel replica split its
-micro-batch). Rank order, fastest first: tp, cp, ep, dp, pp (this trainer: tp, ep, dp, pp,
+micro-batch). Rank order, fastest first: tp, cp, ep, dp, pp (this trainer: tp, ep, cp, dp, pp,
 ``model/parallel/groups.py``), which sets which groups stay inside a node.
 """
 
