@@ -27,8 +27,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from planning import memory_model as mm  # noqa: E402
-from planning.estimator import (estimate, format_estimate, format_plan, launch_command, plan,  # noqa: E402
-                                step_time)
+from planning.estimator import estimate, launch_command, plan, step_time  # noqa: E402
+from planning.report import format_estimate, format_plan  # noqa: E402
 from planning.hardware import CLUSTERS, cluster  # noqa: E402
 from training.config.ds_config import load_ds_config  # noqa: E402
 from training.hardware import GPUS  # noqa: E402

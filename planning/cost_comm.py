@@ -157,19 +157,89 @@ def dp_volume(psi: float, dp: int, accumulation: int, zero_stage: int, grad_byte
     return {k: v * ring for k, v in parts.items()}
 
 
+def cp_volumes(shape: Shape, layout: Layout, layers: range) -> dict[tuple, float]:
+    """Context parallelism's attention exchange (``model/parallel/context.py``, ``ring.py``) of
+    one micro-batch on one rank over ``layers``: {(op, phase): elements}, T the rank's S/cp
+    tokens, per tp rank nh query heads of width d (MLA: the query-key width; its values are
+    zero-padded to it) and nkv key/value heads of width dv.
+
+    - ``a2a`` (Ulysses): q, k, v into head shards (one all-to-all) and the output back (another),
+      of which a rank sends (cp-1)/cp; kv heads are repeated to lcm(nkv, cp) first. Backward the
+      same for their gradients.
+    - ``allgather``: K and V all-gathered (this rank's T nkv (d + dv) shard), their gradients
+      reduce-scattered in backward (the full cp T nkv (d + dv)).
+    - ``p2p`` (ring): cp - 1 sends of the K/V block (T nkv (d + dv)) forward; backward cp - 1
+      sends of the block and cp of its gradient (the last hop brings a rank its own, complete).
+    A recomputed layer (full, every_k, attention) repeats its forward exchange (``recompute``)."""
+    out: dict[tuple, float] = {}
+    cp = layout.cp
+    if cp == 1:
+        return out
+    rc = Recompute.parse(layout.recompute, shape.layers)
+    t, tp, d = layout.tokens, layout.tp, shape.head_dim
+    nh = shape.heads / tp
+    nkv = shape.heads / tp if shape.latent else max(shape.kv_heads / tp, 1.0)
+    dv = d if shape.latent else (shape.v_head_dim or d)
+    if layout.cp_comm == "a2a":
+        kv_a2a = math.lcm(int(nkv), cp)             # kv heads repeated until cp divides them
+        per = {("all_to_all", "forward"): (cp - 1) / cp * t * (nh * d + kv_a2a * (d + dv) + nh * dv)}
+        per[("all_to_all", "backward")] = per[("all_to_all", "forward")]
+    elif layout.cp_comm == "allgather":
+        per = {("all_gather", "forward"): t * nkv * (d + dv),
+               ("reduce_scatter", "backward"): cp * t * nkv * (d + dv)}
+    else:
+        block = t * nkv * (d + dv)
+        per = {("send", "forward"): (cp - 1) * block, ("send", "backward"): (2 * cp - 1) * block}
+    for i in layers:
+        for key, n in per.items():
+            out[key] = out.get(key, 0.0) + n
+        if i in rc.whole or rc.attention:
+            fwd = [(k, n) for k, n in per.items() if k[1] == "forward"]
+            for (op, _), n in fwd:
+                out[(op, "recompute")] = out.get((op, "recompute"), 0.0) + n
+    return out
+
+
+def cp_seconds(shape: Shape, layout: Layout, cluster: Cluster, layers: range,
+               attention_s: float) -> float:
+    """Seconds the cp exchange of ``layers`` adds to one micro-batch: the all-to-alls and the
+    all-gather / reduce-scatter wait for their results; the ring's sends travel while the
+    previous block is computed (``model/parallel/ring.py``), so only what exceeds the attention
+    core's ``attention_s`` (forward and backward of those layers) shows, plus a latency per hop.
+    cp ranks are tp apart (rank order tp, ep, cp: ``model/parallel/groups.py`` puts ep between;
+    the stride counts it when the layout splits batches over ep)."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    a = ACT_BYTES
+    stride = layout.tp * (layout.ep if layout.ep_splits_batch else 1)
+    vol = cp_volumes(shape, layout, layers)
+    if layout.cp_comm == "a2a":
+        calls = 4 * len(layers)           # q, k, v in and the output out, each way
+        return sum(all_to_all_seconds(cluster, n * a, cp, stride, calls=0) for n in vol.values()) \
+            + calls * cluster.latency(cp, stride)
+    if layout.cp_comm == "allgather":
+        return sum(_collective(cluster, op, n * a, cp, stride, calls=0) for (op, _), n in vol.items()) \
+            + 2 * len(layers) * cluster.latency(cp, stride)
+    hops = sum(vol.values()) * a / cluster.busbw(cp, stride)      # the ring's slowest hop
+    return max(0.0, hops - attention_s) + (3 * cp - 2) * len(layers) * cluster.latency(cp, stride)
+
+
 def dp_groups(shape: Shape, layout: Layout) -> dict[str, tuple[int, int]]:
     """{"dense"|"expert": (ranks a parameter is replicated over, their stride)}.
 
-    Megatron and torchtitan: dense parameters over dp = world / (tp cp pp), stride tp cp;
-    experts over world / (etp ep pp) (expert data parallelism), stride etp ep. This trainer
-    (``ep_splits_batch``): both over dp = world / (tp ep pp), stride tp ep; the dense
+    The cp ranks hold different tokens of the same sequences, so gradients are reduced over dp
+    x cp everywhere (Megatron's data-parallel-with-context-parallel group). Megatron and
+    torchtitan: dense parameters over dp cp = world / (tp pp), stride tp; experts over world /
+    (etp ep pp) (expert data parallelism), stride etp ep. This trainer (``ep_splits_batch``,
+    rank order tp, ep, cp, dp): both over dp cp = world / (tp ep pp), stride tp ep; the dense
     parameters' sum over ep is a separate all-reduce (``step_cost``).
     """
     if layout.ep_splits_batch or not shape.experts:
-        stride = layout.tp * layout.cp * (layout.ep if layout.ep_splits_batch else 1)
-        return {"dense": (layout.dp, stride), "expert": (layout.dp, stride)}
+        stride = layout.tp * (layout.ep if layout.ep_splits_batch else 1)
+        return {"dense": (layout.dp * layout.cp, stride), "expert": (layout.dp * layout.cp, stride)}
     etp = layout.expert_tp
-    return {"dense": (layout.dp, layout.tp * layout.cp),
+    return {"dense": (layout.dp * layout.cp, layout.tp),
             "expert": (layout.world // (etp * layout.ep * layout.pp), etp * layout.ep)}
 
 
@@ -222,7 +292,7 @@ def remote_share(shape: Shape, layout: Layout, cluster: Cluster) -> float | None
     without deduplication (every row to another node crosses)."""
     if not layout.a2a_node_dedup or not shape.experts:
         return None
-    nodes = cluster.placement(layout.ep, layout.tp * layout.cp)[1]
+    nodes = cluster.placement(layout.ep, layout.tp * (1 if layout.ep_splits_batch else layout.cp))[1]
     if nodes <= 1:
         return 0.0
     per_node, e, k = shape.experts / nodes, shape.experts, shape.top_k

@@ -103,6 +103,7 @@ class Layout:
     tp: int = 1
     sp: bool = False                # sequence parallelism (Megatron's)
     cp: int = 1                     # context parallelism: the sequence split over cp ranks
+    cp_comm: str = "a2a"            # its attention exchange: a2a (Ulysses) | allgather | p2p (ring)
     ep: int = 1
     etp: int | None = None          # experts' tensor parallelism (None: tp, as this trainer)
     pp: int = 1
@@ -167,6 +168,11 @@ class Layout:
                              f"{self.world // self.pp} ranks of a pipeline stage")
         if self.seq_len % self.cp:
             raise ValueError(f"cp {self.cp} does not divide the sequence length {self.seq_len}")
+        if self.cp_comm not in ("a2a", "allgather", "p2p"):
+            raise ValueError(f"cp_comm {self.cp_comm!r}: one of a2a, allgather, p2p")
+        if self.cp > 1 and self.cp_comm == "a2a" and (shape.heads // self.tp) % self.cp:
+            raise ValueError(f"cp {self.cp} does not divide the {shape.heads // self.tp} query heads "
+                             f"of a tp rank (a2a splits them)")
         if shape.heads % self.tp:
             raise ValueError(f"tp {self.tp} does not divide the {shape.heads} attention heads")
         if self.attention not in ATTENTION_KERNELS + ("unfused",):

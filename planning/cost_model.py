@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planning.cost_comm import (_collective, all_to_all_seconds, dp_groups, dp_volume,  # noqa: F401
-                                ep_volumes, remote_share, tp_calls, tp_volumes)
+from planning.cost_comm import (_collective, all_to_all_seconds, cp_seconds, cp_volumes,  # noqa: F401
+                                dp_groups, dp_volume, ep_volumes, remote_share, tp_calls, tp_volumes)
 from planning.cost_compute import (ATTENTION_BWD_FLOPS, BACKWARD_ELEMENTWISE,  # noqa: F401
                                    BACKWARD_GEMMS, CE_BYTES_EAGER, CE_BYTES_FUSED, EAGER_FACTOR,
                                    K_OVERHEAD, MAMF_K, SUSTAINED_CLOCK, Phases, attention_flops,
@@ -135,7 +135,7 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
     dev, m = cluster.device, layout.accumulation
     tp, cp, ep, dp, pp = layout.tp, layout.cp, layout.ep, layout.dp, layout.pp
     a = ACT_BYTES
-    stride_ep = tp * cp                    # ep after tp (and cp)
+    stride_ep = tp if layout.ep_splits_batch else tp * cp      # ep after tp (Megatron: and cp)
     stride_dp = tp * cp * (ep if layout.ep_splits_batch else 1)
     stride_pp = stride_dp * dp
     ranges = stage_layer_ranges(shape, layout)
@@ -143,7 +143,7 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
     per_stage, kinds, tp_exposed, ep_exposed = [], [], [], []
     for r, layers in enumerate(ranges):
         work = {"gemm": 0.0, "attention": 0.0, "elementwise": 0.0, "recompute": 0.0, "head": 0.0}
-        gemm_fwd = attention_side = 0.0
+        gemm_fwd = attention_side = attention_core = 0.0
         for i in layers:
             key = (shape.is_moe(i), i in rc.whole)
             if key not in memo:         # layers differ only by these
@@ -154,6 +154,7 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
                 work["recompute"] += ph.recompute
             gemm_fwd += c["gemm"].fwd
             attention_side += c["attention"].total + attn_gemms
+            attention_core += c["attention"].fwd + c["attention"].bwd
         if r == pp - 1:
             work["head"] = head_compute(shape, layout, dev).total
         compute = sum(work.values())
@@ -193,14 +194,15 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
             pp_s = crossings * (msg / cluster.busbw(2, stride_pp) + cluster.latency(2, stride_pp))
             if layout.overlap_p2p:
                 pp_s = crossings * cluster.latency(2, stride_pp)
-        per_stage.append(compute + tp_s + ep_s + pp_s)
-        kinds.append((work, tp_s, ep_s, pp_s))
+        cp_s = cp_seconds(shape, layout, cluster, layers, attention_core)
+        per_stage.append(compute + tp_s + ep_s + pp_s + cp_s)
+        kinds.append((work, tp_s, ep_s, pp_s, cp_s))
         tp_exposed.append(tp_s)
         ep_exposed.append(ep_s)
     slowest = max(range(pp), key=lambda r: per_stage[r])
     pipeline = pipeline_seconds(per_stage, m, layout.vpp, layout.schedule)
     bubble = pipeline - m * per_stage[slowest]
-    work, tp_s, ep_s, pp_s = kinds[slowest]
+    work, tp_s, ep_s, pp_s, cp_s = kinds[slowest]
     # Each stage reduces its own gradients and steps its own optimizer after its last backward:
     # the step ends with the stage that finishes last.
     tails = [_dp_and_optimizer(shape, layout, cluster, ranges[r], r, per_stage[r],
@@ -209,12 +211,13 @@ def step_cost(shape: Shape, layout: Layout, cluster: Cluster) -> StepCost:
     step = pipeline + dp_exposed + optimizer
     tokens = layout.global_batch * layout.seq_len
     breakdown = {k: m * v for k, v in work.items()}
-    exposed = {"tp": m * tp_s, "dp": dp_exposed, "ep": m * ep_s, "pp": m * pp_s}
+    exposed = {"tp": m * tp_s, "dp": dp_exposed, "ep": m * ep_s, "pp": m * pp_s, "cp": m * cp_s}
     volumes = {"dp_bytes": sum(volumes.values()),
                "tp_bytes": m * sum(tp_volumes(shape, layout, ranges[slowest], slowest == pp - 1,
                                               slowest == 0).values()) * a,
                "ep_bytes": m * sum(ep_volumes(shape, layout, ranges[slowest]).values())
-               * layout.dispatch_bytes}
+               * layout.dispatch_bytes,
+               "cp_bytes": m * sum(cp_volumes(shape, layout, ranges[slowest]).values()) * a}
     return StepCost(step, tokens / step / layout.world, m * sum(work.values()), bubble,
                     optimizer, exposed, breakdown, volumes)
 

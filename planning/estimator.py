@@ -28,6 +28,7 @@ from pathlib import Path
 
 from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
+from planning.buffers import buffer_bytes, optimizer_temporaries
 from planning.build_memory import build_bytes
 from training.config.ds_config import (check_layout, load_ds_config, replica_sync_mode, validate_ds_config)
 from planning.cost_model import Layout, Shape, step_cost
@@ -56,7 +57,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     ``planning/build_memory.py``, against ``host_memory_gb`` per node, default
     ``HOST_GB_PER_GPU`` per GPU, and the usable GPU memory; ``reason`` says why it does not
     fit) and ``fits`` (the step and the build). ``on_gpu=False`` counts the optimizer's
-    temporaries as its CPU code path allocates them (``memory_model.optimizer_temporaries``),
+    temporaries as its CPU code path allocates them (``buffers.optimizer_temporaries``),
     for checking the estimate against runs on CPU ranks.
 
     Raises:
@@ -70,7 +71,8 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     check_layout(ds, dims)
     micro, acc = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     layout = mm.Layout(gpus, dims.tp, dims.ep, dims.pp, dims.sp, gpus_per_node,
-                       schedule=recipe.parallel.pipeline_schedule, micro_batches=acc)
+                       schedule=recipe.parallel.pipeline_schedule, micro_batches=acc,
+                       cp=dims.cp, cp_comm=dims.cp_comm)
     stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
     stages = [_stage(recipe, layout, ds, s, micro, on_gpu) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
@@ -80,6 +82,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
     return {"units": "bytes", "recipe": recipe.name, "gpu": gpu, "gpu_memory": spec.memory_gb * GB,
             "reserve_fraction": RESERVE_FRACTION, "usable": usable, "gpus": gpus,
             "gpus_per_node": gpus_per_node, "tp": layout.tp, "ep": layout.ep, "pp": layout.pp,
+            "cp": dims.cp, "cp_comm": dims.cp_comm, "dp": dims.dp,
             "sequence_parallel": layout.sp, "zero_dp": layout.dp, "zero_stage": stage,
             "precision": precision, "micro_batch": micro, "accumulation": acc,
             "seq_len": recipe.seq_len, "activation_checkpointing": recipe.train.activation_checkpointing,
@@ -122,9 +125,9 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
     a2a = 0.0
     if cfg.moe is not None and layout.ep > 1:   # send + receive of one MoE layer: 2 k T h
         a2a = 2 * mm.routed_rows(cfg, acts["tokens_per_rank"]) * cfg.hidden_size * a
-    buffers = mm.buffer_bytes(zero, int(zero.get("stage", 0)), a, params["total"],
+    buffers = buffer_bytes(zero, int(zero.get("stage", 0)), a, params["total"],
                               params["largest_module"], layout.dp, a2a,
-                              mm.optimizer_temporaries(ds, on_gpu))
+                              optimizer_temporaries(ds, on_gpu))
     during_backward = acts["total"] + buffers["reduce_bucket"] + buffers["zero3_gather"] + a2a
     model_states = states["params"] + states["grads"] + states["optimizer"]
     return {"stage": stage, "params": params, "states": states, "activations": acts,
@@ -148,9 +151,10 @@ def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1
     zero = ds.get("zero_optimization") or {}
     comm = {"fp32": 4, "fp16": 2, "bf16": 2}.get(str(ds.get("communication_data_type", "")).lower())
     dispatch = getattr(recipe.model.moe, "dispatch_dtype", None) if recipe.model.moe else None
-    return Layout(world=est["gpus"], global_batch=est["micro_batch"] * est["accumulation"] * est["zero_dp"],
+    return Layout(world=est["gpus"], global_batch=est["micro_batch"] * est["accumulation"] * est["dp"],
                   seq_len=est["seq_len"], micro_batch=est["micro_batch"], tp=est["tp"],
-                  sp=est["sequence_parallel"], ep=est["ep"], pp=est["pp"],
+                  sp=est["sequence_parallel"], ep=est["ep"], pp=est["pp"], cp=est["cp"],
+                  cp_comm=est["cp_comm"],
                   zero_stage=est["zero_stage"], recompute=est["activation_checkpointing"],
                   schedule=recipe.parallel.pipeline_schedule,
                   ep_splits_batch=True, attention="fa2", fused_elementwise=recipe.train.compile,
@@ -181,17 +185,25 @@ def step_time(recipe: Recipe, est: dict, ds: dict, where: Cluster,
 CHECKPOINTING = ("none", "full", "attention", "moe", "experts")   # the planner's candidates
 
 
+LONG_CONTEXT = 16384    # the planner also tries context parallelism from this sequence length
+CP_CANDIDATES = ((2, "a2a"), (2, "allgather"), (4, "a2a"), (4, "allgather"), (8, "a2a"), (8, "allgather"))
+
+
 def _layouts(recipe: Recipe, world: int, gpus_per_node: int):
     """Every layout the trainer accepts on ``world`` GPUs (``ParallelDims``), with tp inside a
     node and at most 8 pipeline stages. Sequence parallelism whenever tp > 1 can split the
     sequence: activations split by tp for one more all-gather per sub-layer in backward (counted
-    by the cost model's ``tp_volumes``)."""
+    by the cost model's ``tp_volumes``). From ``LONG_CONTEXT`` tokens also context parallelism
+    (cp 2-8, the all-to-all or the all-gather of K/V, both on SDPA's fused kernels; not the ring,
+    whose block math here is a reference that materializes each block's scores)."""
+    cps = ((1, "a2a"),) + (CP_CANDIDATES if recipe.seq_len >= LONG_CONTEXT else ())
     for tp, ep, pp in itertools.product(range(1, gpus_per_node + 1), range(1, world + 1), range(1, 9)):
         sp = tp > 1 and recipe.seq_len % tp == 0
-        try:
-            yield ParallelDims(tp, ep, pp, sp, world, recipe.model, recipe.seq_len)
-        except ValueError:
-            continue
+        for cp, cp_comm in cps:
+            try:
+                yield ParallelDims(tp, ep, pp, sp, world, recipe.model, recipe.seq_len, cp, cp_comm)
+            except ValueError:
+                continue
 
 
 def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: str = "bf16",
@@ -231,6 +243,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                     recipe, parallel=ParallelConfig(
                         tensor_parallel_size=dims.tp, expert_parallel_size=dims.ep,
                         pipeline_parallel_size=dims.pp, sequence_parallel=dims.sp,
+                        context_parallel_size=dims.cp, cp_comm=dims.cp_comm,
                         expert_placement=recipe.parallel.expert_placement),
                     train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
                 est = estimate(r, ds, world, gpus_per_node, gpu, host_memory_gb)
@@ -242,6 +255,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                     "dp": dims.dp, "reason": est["build"]["reason"]})
             elif est["fits"]:
                 rows.append({"zero_stage": stage, "tp": dims.tp, "ep": dims.ep, "pp": dims.pp,
+                             "cp": dims.cp, "cp_comm": dims.cp_comm,
                              "dp": dims.dp, "sp": dims.sp, "micro_batch": micro,
                              "accumulation": ds["gradient_accumulation_steps"],
                              "activation_checkpointing": policy,
@@ -263,117 +277,8 @@ def launch_command(row: dict, recipe_path: str, nodes: int, gpus_per_node: int,
             f"train.activation_checkpointing={row['activation_checkpointing']}"]
     if row.get("sp"):
         sets.append("parallel.sequence_parallel=true")
+    if row.get("cp", 1) > 1:
+        sets += [f"parallel.context_parallel_size={row['cp']}", f"parallel.cp_comm={row['cp_comm']}"]
     return shlex.join(["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node),
                        "launch/train.py", "--config", config or row["config"],
                        "--recipe", recipe_path, "--set", *sets])
-
-
-# ---------------------------------------------------------------------------------------------
-# Output.
-
-def _gb(x: float) -> str:
-    return f"{x / GB:8.2f}"
-
-
-def format_estimate(est: dict) -> str:
-    w = est["worst"]
-    p, s, act, buf = w["params"], w["states"], w["activations"], w["buffers"]
-    sp = "on" if est["sequence_parallel"] else "off"
-    lines = [
-        f"{est['recipe']}: {est['params_total'] / 1e9:.2f}B parameters "
-        f"({est['params_active'] / 1e9:.2f}B active) on {est['gpus']} x {est['gpu']} "
-        f"({est['gpus_per_node']} per node)",
-        f"layout: tp {est['tp']} ep {est['ep']} pp {est['pp']} sp {sp} | ZeRO-{est['zero_stage']} over "
-        f"dp {est['zero_dp']} (= gpus / (tp ep pp)) | {est['precision']}",
-        f"batch: micro {est['micro_batch']} x seq {est['seq_len']} ({act['tokens_per_rank']:.0f} tokens "
-        f"per rank), accumulation {est['accumulation']}, activation checkpointing "
-        f"{est['activation_checkpointing']}",
-        f"pipeline stage {w['stage']} (the heaviest): {p['total'] / 1e9:.3f}B params per rank "
-        f"({p['expert'] / 1e9:.3f}B expert, {p['other'] / 1e9:.3f}B other)",
-        "", "per GPU                                       GB"]
-    rows = [("parameters", s["params"]), ("gradients", s["grads"]),
-            ("optimizer states", s["optimizer"]),
-            (f"activations ({act['in_flight_micro_batches']} micro-batch(es) in flight)", act["total"]),
-            ("  blocks kept for backward", act["blocks"]),
-            ("  recompute of one block/sub-layer", act["recompute"]),
-            ("  final norm, fp32 logits, token ids", act["head"]),
-            ("  returned logits + their fp32 grad", act["logits_transient"]),
-            ("buffers: reduce bucket(s)", buf["reduce_bucket"]),
-            ("buffers: ZeRO-3 gathered params", buf["zero3_gather"]),
-            ("buffers: all-to-all", buf["all_to_all"]),
-            ("buffers: optimizer step (no activations)", buf["optimizer_step"]),
-            ("total", w["gpu_total"])]
-    lines += [f"  {name:<44}{_gb(v)}" for name, v in rows]
-    per_block = ", ".join(f"{k} {v / GB:.3f}" for k, v in act["per_block"].items())
-    lines.append(f"  one block, one micro-batch, no checkpointing: {per_block}")
-    lines.append(f"  usable: {est['gpu_memory'] / GB:.0f} GB - {est['reserve_fraction']:.0%} reserve "
-                 f"(CUDA context, NCCL, fragmentation) = {est['usable'] / GB:.1f} GB -> "
-                 f"{'fits' if est['fits'] else 'DOES NOT FIT'}")
-    if len(est["stages"]) > 1:
-        lines.append("  totals per stage: " + ", ".join(
-            f"stage {st['stage']} {st['gpu_total'] / GB:.2f}" for st in est["stages"]))
-    if w["cpu"]:
-        lines.append(f"  CPU (offload): {w['cpu'] / GB:.2f} GB per rank, "
-                     f"{est['cpu_per_node'] / GB:.1f} GB per node")
-    pred = est.get("predicted")
-    if pred:
-        lines.append(f"  predicted step (planning/cost_model.py, {est['gpu']}): {pred['step_s']:.3f} s, "
-                     f"{pred['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, MFU {pred['mfu']:.1%} "
-                     f"(attention whole: {pred['mfu_full_attn']:.1%}); compute "
-                     f"{pred['compute_s']:.3f} s, bubble {pred['bubble_s']:.3f} s, exposed "
-                     + ", ".join(f"{k} {pred[f'{k}_comm_s']:.3f} s" for k in ("tp", "dp", "ep", "pp")))
-    b = est["build"]
-    lines.append(f"  build (before deepspeed.initialize): {b['host_per_rank'] / GB:.2f} GB host per "
-                 f"rank ({b['host_per_node'] / GB:.0f} of {b['host_memory'] / GB:.0f} GB per node), "
-                 f"{b['device'] / GB:.2f} GB per GPU -> "
-                 + ("fits" if b["fits"] else f"DOES NOT FIT: {b['reason']}"))
-    return "\n".join(lines)
-
-
-BREAKDOWN = (("compute", "compute_s"), ("bubble", "bubble_s"), ("tp comm", "tp_comm_s"),
-             ("dp comm", "dp_comm_s"), ("ep comm", "ep_comm_s"), ("pp comm", "pp_comm_s"),
-             ("optimizer", "optimizer_s"))
-
-
-def why_first(best: dict, second: dict) -> str:
-    """One line: where the runner-up's step is longer than the best layout's and where shorter,
-    largest first."""
-    diffs = [(second[k] - best[k], name) for name, k in BREAKDOWN]
-    more = sorted((d, n) for d, n in diffs if d >= 0.005)[::-1]
-    less = sorted((d, n) for d, n in diffs if d <= -0.005)
-    parts = ([f"more on {', '.join(f'{n} +{d:.2f} s' for d, n in more)}"] if more else []) + \
-            ([f"less on {', '.join(f'{n} {d:.2f} s' for d, n in less)}"] if less else [])
-    return (f"#1 over #2: {second['step_s'] - best['step_s']:.2f} s shorter per step"
-            + (f" (#2 spends {'; '.join(parts)})" if parts else ""))
-
-
-def format_plan(result: dict, command: str, note: str) -> str:
-    lines = [f"{result['recipe']} on {result['nodes']} x {result['gpus_per_node']} {result['gpu']} "
-             f"({result['network_gbit_s']:.0f} Gb/s per node): {result['fitting']} of "
-             f"{result['considered']} layouts fit; global batch {result['global_batch']} sequences; "
-             f"ranked by predicted tokens/s per GPU (planning/cost_model.py; MoE imbalance "
-             f"{result['moe_imbalance']:g})", "",
-             " # ZeRO tp sp ep pp  dp micro  acc ckpt       mem GB  step s compute bubble"
-             "  tp-comm dp-comm ep-comm pp-comm  optim tok/s/GPU  MFU  MFU-12"]
-    for i, r in enumerate(result["layouts"], 1):
-        lines.append(f"{i:2d} {r['zero_stage']:4d} {r['tp']:2d} {'on' if r['sp'] else '--'} {r['ep']:2d} {r['pp']:2d} {r['dp']:3d}"
-                     f" {r['micro_batch']:5d} {r['accumulation']:4d} {r['activation_checkpointing']:<9}"
-                     f" {r['gpu_total'] / GB:7.1f} {r['step_s']:7.2f} {r['compute_s']:7.2f}"
-                     f" {r['bubble_s']:6.2f} {r['tp_comm_s']:8.2f} {r['dp_comm_s']:7.2f}"
-                     f" {r['ep_comm_s']:7.2f} {r['pp_comm_s']:7.2f} {r['optimizer_s']:6.2f}"
-                     f" {r['tokens_per_s_per_gpu']:9.0f} {r['mfu']:4.0%} {r['mfu_full_attn']:6.0%}")
-    refused = result.get("refused") or []
-    if refused:
-        r = refused[0]
-        lines.append(f"refused: {len(refused)} (ZeRO stage, tp, ep, pp) whose build does not fit, "
-                     f"e.g. ZeRO-{r['zero_stage']} tp {r['tp']} ep {r['ep']} pp {r['pp']}: {r['reason']}")
-    if not result["layouts"]:
-        return "\n".join(lines + ["no layout fits: add GPUs, or offload (ds_configs/zero3_offload.json)"])
-    best = result["layouts"][0]
-    b = best["breakdown"]
-    lines += ["", "compute of #1 per step: " + ", ".join(
-        f"{k} {b[k]:.2f} s" for k in ("gemm", "attention", "elementwise", "recompute", "head")
-        if b.get(k)) + "; MFU counts attention causal, 3 L s (w_qk + w_v), and whole (MFU-12), 6 L s (w_qk + w_v)"]
-    if len(result["layouts"]) > 1:
-        lines.append(why_first(best, result["layouts"][1]))
-    return "\n".join(lines + ["", "best:", command] + ([note] if note else []))

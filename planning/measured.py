@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 
-def saved_activation_bytes(model, input_ids, labels) -> int:
+def saved_activation_bytes(model, input_ids, labels, skip=None) -> int:
     """Measured counterpart of ``activation_bytes``: bytes of the distinct storages autograd
     saved during one forward and still holds at its end (a graph that was detached, e.g. router
-    entropy, is freed), parameters excluded."""
+    entropy, is freed), parameters excluded, and tensors for which ``skip(t)`` is true (e.g. the
+    masks CPU kernels build where GPU kernels build none)."""
     import weakref
 
     import torch
@@ -15,7 +16,7 @@ def saved_activation_bytes(model, input_ids, labels) -> int:
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if storage.data_ptr() not in params and not (skip and skip(t)):
             seen.setdefault(storage.data_ptr(), []).append((weakref.ref(t), storage.nbytes()))
         return t
 

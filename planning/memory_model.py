@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
 from model.parallel.dims import ParallelDims
-from planning.attention_memory import mla_activation_bytes, mla_local_params
+from planning.attention_memory import (cp_attention_extra, gqa_activation_bytes, mla_activation_bytes,
+                                       mla_local_params)
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32, INT64 = 4, 8
@@ -32,7 +33,9 @@ def zero_shard_group_size(world: int, tp: int, ep: int, pp: int) -> int:
     data-parallel group is ``world / (tp * ep * pp)`` for ALL parameters, expert and non-expert
     alike; non-expert parameters are replicated over the ep ranks, and those ranks split each
     micro-batch among themselves. (DeepSpeed's own MoE would instead shard non-expert parameters
-    over ``world / (tp * pp)`` and experts over ``world / (tp * ep * pp)``.) Change it here only.
+    over ``world / (tp * pp)`` and experts over ``world / (tp * ep * pp)``.) Context parallelism
+    is folded into DeepSpeed's data-parallel group (Megatron's dp x cp), so cp ranks count here:
+    ZeRO shards over dp x cp = ``world / (tp * ep * pp)`` whatever cp is. Change it here only.
     Raises ``ParallelDims``'s ValueError when the degrees do not divide ``world``.
     """
     return ParallelDims(tp, ep, pp, world_size=world).dp
@@ -49,9 +52,11 @@ class Layout:
     gpus_per_node: int = 8
     schedule: str = "1f1b"      # parallel.pipeline_schedule: 1f1b | gpipe | zb-h1
     micro_batches: int = 1      # per optimizer step (gradient accumulation): GPipe holds them all
+    cp: int = 1                 # context parallelism: each rank holds S/cp tokens of a sequence
+    cp_comm: str = "a2a"        # parallel.cp_comm: a2a | allgather | p2p
 
     @property
-    def dp(self) -> int:
+    def dp(self) -> int:     # ZeRO's group: data x context parallel ranks
         return zero_shard_group_size(self.world, self.tp, self.ep, self.pp)
 
 
@@ -213,15 +218,14 @@ def routed_rows(cfg: TransformerConfig, tokens: float) -> float:
     return rows if cap is None else min(rows, moe.num_experts * cap)
 
 
-def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
-                      tp: int = 1, sp: bool = False) -> dict[str, float]:
+def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int, tp: int = 1,
+                      sp: bool = False, cp: int = 1, cp_comm: str = "a2a") -> dict[str, float]:
     """Bytes one block saves for backward, for ``tokens`` tokens on this rank.
 
     Per token (checked tensor by tensor against ``saved_tensors_hooks`` in the tests):
     - ``norm1``, ``norm2``: see ``norm_bytes``.
-    - ``attention``: q and k after RoPE (a h/tp, a kv hd), v (a kv hd), SDPA's output (a h/tp;
-      ``o_proj`` saves a view of it) and logsumexp (4 per local head), as flash/efficient SDPA keep
-      them; RoPE keeps only its shared (S, hd) tables; q/k norms: ``norm_bytes`` per head.
+    - ``attention``: ``planning/attention_memory.py`` (grouped-query or MLA, and what context
+      parallelism's exchange adds: ``cp_attention_extra``; ``tokens`` are then the rank's S/cp).
     - ``mlp``: gate output (silu's input), silu output, up output, their product: 4 a F/tp.
     - MoE (fp32 router): ``router`` = input copy (4h, unless the model is fp32), logits and
       probabilities (4E each), top-k indices (8k), top-k weights and their sum (4k + 4), the
@@ -233,14 +237,12 @@ def block_activations(cfg: TransformerConfig, layer: int, tokens: float, a: int,
     TP shards heads and inner sizes; sequence parallelism splits the norms (``norm_bytes``) but
     not the router or the dispatched rows: every tp rank routes the gathered tokens.
     """
-    h, hd, f, fe = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.expert_ffn_size
-    heads = cfg.num_heads / tp
-    kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
-    kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
-    qk_norm = cfg.qk_norm * (heads + kv_used) * (norm_bytes(hd, a) - a * hd)   # not the product
-    attention = 2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads + qk_norm
+    h, f, fe = cfg.hidden_size, cfg.ffn_hidden_size, cfg.expert_ffn_size
     if cfg.mla:
-        attention = mla_activation_bytes(cfg, a, heads, tp, sp)
+        attention = mla_activation_bytes(cfg, a, cfg.num_heads / tp, tp, sp)
+    else:
+        attention = gqa_activation_bytes(cfg, a, tp, lambda d: norm_bytes(d, a) - a * d)  # not the product
+    attention += cp_attention_extra(cfg, a, tp, cp, cp_comm)
     out = {"norm1": tokens * norm_bytes(h, a, tp, sp),
            "norm2": tokens * norm_bytes(h, a, tp, sp, moe_input=cfg.is_moe_layer(layer)),
            "attention": tokens * attention}
@@ -288,12 +290,12 @@ def logits_transient(cfg: TransformerConfig, tokens: float, a: int, tp: int = 1)
 def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, seq_len: int,
                      a: int, policy: str = "none", stage: int = 0) -> dict:
     """Activation bytes on one rank of pipeline stage ``stage`` at the peak of a step: a rank
-    sees ``micro_batch * seq_len / ep`` tokens (the ep ranks split each micro-batch), and holds
-    the micro-batches in flight of ``layout.schedule`` (below). Checkpointed blocks keep only
-    their input and backward recomputes one block (or sub-layer) at a time (``recompute``).
-    ``saved`` is what autograd holds after a forward; ``total`` adds recompute and logits."""
-    tp, sp = layout.tp, layout.sp
-    tokens = micro_batch * seq_len / layout.ep
+    sees ``micro_batch * seq_len / (ep cp)`` tokens (ep ranks split a micro-batch, cp ranks each
+    sequence) and holds the micro-batches in flight of ``layout.schedule`` (below). Checkpointed
+    blocks keep their input; backward recomputes one block (or sub-layer) at a time
+    (``recompute``). ``saved``: what autograd holds after a forward; ``total`` adds recompute and logits."""
+    tp, sp, cp, cp_comm = layout.tp, layout.sp, layout.cp, layout.cp_comm
+    tokens = micro_batch * seq_len / layout.ep / cp
     policy = CheckpointPolicy.parse(policy)
     whole = policy.whole_blocks(cfg.num_layers)
     block_input = tokens * a * cfg.hidden_size / (tp if sp else 1)
@@ -304,7 +306,8 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
     by_kind = {}                                                       # MoE or dense block
     for i in [*layers, *mtp]:                                          # MTP's blocks as any other
         kind = cfg.is_moe_layer(i)
-        blk = by_kind.get(kind) or by_kind.setdefault(kind, block_activations(cfg, i, tokens, a, tp, sp))
+        blk = by_kind.get(kind) or by_kind.setdefault(
+            kind, block_activations(cfg, i, tokens, a, tp, sp, cp, cp_comm))
         full = sum(blk.values())
         if i in whole:
             redo = full
@@ -325,7 +328,7 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
     in_flight = (layout.micro_batches if layout.schedule == "gpipe" and layout.pp > 1 else
                  layout.pp if layout.schedule == "zb-h1" and stage > 0 else layout.pp - stage)
     out = {"tokens_per_rank": tokens, "in_flight_micro_batches": in_flight,
-           "per_block": block_activations(cfg, layers[0], tokens, a, tp, sp),
+           "per_block": block_activations(cfg, layers[0], tokens, a, tp, sp, cp, cp_comm),
            "blocks": stored * in_flight, "recompute": recompute, "head": 0.0, "logits_transient": 0.0}
     if stage == 0:
         out["head"] += in_flight * tokens * INT64                      # the embedding's token ids
@@ -335,64 +338,4 @@ def activation_bytes(cfg: TransformerConfig, layout: Layout, micro_batch: int, s
         out["head"] += len(mtp) * mtp_extra_bytes(cfg, tokens, a, tp, sp)
     out["saved"] = out["blocks"] + out["head"]
     out["total"] = out["saved"] + out["recompute"] + out["logits_transient"]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Temporary buffers.
-
-def optimizer_temporaries(ds: dict, on_gpu: bool = True) -> int:
-    """Copies of the flat fp32 group that the optimizer's step allocates besides its states.
-
-    torch's Adam and AdamW (``"torch_adam": true``, which DeepSpeed hands each flat group) compute
-    ``exp_avg_sq.sqrt()`` into a new tensor: the foreach implementation, torch's default on a GPU,
-    holds one such copy of the group (``_multi_tensor_adam``); the single-tensor one, its CPU path,
-    also holds the quotient by the bias correction at the same time (two). DeepSpeed's fused Adam
-    (``torch_adam`` false on a GPU) works in place. Other optimizers are not modeled.
-    """
-    opt = ds.get("optimizer") or {}
-    if opt.get("type", "").lower() not in ("adam", "adamw"):
-        return 0
-    if on_gpu and not (opt.get("params") or {}).get("torch_adam", False):
-        return 0
-    return 1 if on_gpu else 2
-
-
-def buffer_bytes(zero: dict, stage: int, a: int, psi_local: float, largest_module: float,
-                 dp: int, a2a_bytes: float = 0.0, optimizer_copies: int = 0) -> dict[str, float]:
-    """Communication and staging buffers (bytes) next to the model states.
-
-    - ZeRO-1/2 with ``contiguous_gradients``: one ``reduce_bucket_size`` gradient bucket, two with
-      ``overlap_comm`` (``stage_1_and_2.py:3263-3278``). The post-step all-gather
-      (``allgather_bucket_size``) writes into the flat parameter buffer in place
-      (``runtime/utils.py`` ``all_gather_dp_groups``): nothing extra.
-    - ZeRO-3: the ``reduce_bucket_size`` bucket (``stage3.py:782``) and, while it is reduced, its
-      flat copy (``reduce_scatter_coalesced`` concatenates the bucket's gradients, padded to the
-      partitions, and reduce-scatters that); gathered parameters, the largest module plus the
-      prefetch (``stage3_prefetch_bucket_size``, capped by ``stage3_max_live_parameters``), and the
-      full 16-bit gradient of that module before its reduce-scatter (DeepSpeed's own estimator
-      counts 4 bytes x largest layer for both).
-    - EP: the all-to-all send and receive buffers of one MoE layer, 2 k T h a.
-    - ``optimizer_step``: at the step, after the activations are freed: the fp32 copy of the
-      gradient partition (ZeRO-1/2 mixed precision, 4 psi/dp) or of one ``sub_group_size``
-      sub-group (ZeRO-3), plus ``optimizer_copies`` fp32 copies of that group, the optimizer's own
-      temporaries (``optimizer_temporaries``); none on the GPU when the optimizer is offloaded.
-    """
-    z = {**ZERO_DEFAULTS, **zero}
-    bucket = min(z["reduce_bucket_size"], psi_local) * a
-    out = {"reduce_bucket": 0.0, "zero3_gather": 0.0, "all_to_all": a2a_bytes, "optimizer_step": 0.0}
-    if stage in (1, 2) and z["contiguous_gradients"]:
-        out["reduce_bucket"] = bucket * (2 if z.get("overlap_comm", False) else 1)
-    group = psi_local / dp if stage else psi_local            # what one optimizer step walks
-    if stage == 3:
-        prefetch = min(z["stage3_prefetch_bucket_size"], z["stage3_max_live_parameters"])
-        out["reduce_bucket"] = 2 * bucket                     # the bucket and its flat copy
-        out["zero3_gather"] = a * (2 * largest_module + min(prefetch, psi_local))
-        group = min(z["sub_group_size"], group)
-        out["optimizer_step"] = FP32 * group
-    elif stage in (1, 2) and a < FP32:
-        out["optimizer_step"] = FP32 * group
-    out["optimizer_step"] += optimizer_copies * FP32 * group
-    if _offloaded(z, "offload_optimizer"):       # the step runs on the CPU copy
-        out["optimizer_step"] = 0.0
     return out

@@ -11,6 +11,7 @@ import pytest
 
 from launch import estimate_memory
 from planning import estimator as em
+from planning import report
 from planning.build_memory import build_bytes, largest_draw
 from planning.memory_model import Layout
 from training.config.ds_config import load_ds_config
@@ -64,7 +65,7 @@ def test_estimate_refuses_a_build_that_does_not_fit_the_host():
     assert "host memory per node" in build["reason"] and "ZeRO-3" in build["reason"]
     zero3 = em.estimate(recipe, _ds("zero3"), 64)
     assert zero3["build"]["fits"] and zero3["fits"] and zero3["build"]["reason"] is None
-    assert "build (before deepspeed.initialize)" in em.format_estimate(zero3)
+    assert "build (before deepspeed.initialize)" in report.format_estimate(zero3)
 
 
 def test_planner_refuses_layouts_whose_build_does_not_fit_and_says_why(capsys):
@@ -81,7 +82,7 @@ def test_planner_refuses_layouts_whose_build_does_not_fit_and_says_why(capsys):
     assert all(stage != 3 for stage, _, _ in refused)
     assert result["fitting"] >= 1 and result["layouts"]
     assert all((r["zero_stage"], r["tp"], r["pp"]) not in refused for r in result["layouts"])
-    table = em.format_plan(result, result["command"], "")
+    table = report.format_plan(result, result["command"], "")
     assert "refused: " in table and "220 GB of host memory per node" in table
     # With the default host memory (128 GB per GPU) the same node refuses nothing.
     assert estimate_memory.main(argv) == 0

@@ -30,6 +30,7 @@ from planning.measured import saved_activation_bytes
 from launch import estimate_memory
 from tests.distributed import free_port
 from planning import estimator as em
+from planning import report
 from planning import memory_model as mm
 from training.config.ds_config import load_ds_config
 from training.config.recipe import load_recipe
@@ -223,7 +224,8 @@ def test_cli_estimate_json_and_errors(capsys):
     assert "not divisible" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("recipe,nodes", [("recipes/mixtral_8x7b.yaml", 8), ("recipes/dense_7b.yaml", 1)])
+@pytest.mark.parametrize("recipe,nodes", [("recipes/mixtral_8x7b.yaml", 8), ("recipes/dense_7b.yaml", 1),
+                                         ("recipes/long_context_7b.yaml", 2)])
 def test_planner_finds_a_layout_and_prints_a_valid_command(recipe, nodes, capsys):
     from launch.train import parse_args
     argv = ["--plan", "--recipe", recipe, "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu", "h100-80gb"]
@@ -233,7 +235,7 @@ def test_planner_finds_a_layout_and_prints_a_valid_command(recipe, nodes, capsys
     assert all(row["gpu_total"] <= 80 * GB * (1 - em.RESERVE_FRACTION) for row in result["layouts"])
     best = result["layouts"][0]
     # The command as printed by the table view (the same string as result["command"]).
-    lines = em.format_plan(result, result["command"], "").splitlines()
+    lines = report.format_plan(result, result["command"], "").splitlines()
     command = shlex.split(next(line for line in lines if line.startswith("deepspeed ")))
     assert command[:5] == ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", "8"]
     args = parse_args(command[command.index("launch/train.py") + 1:])
@@ -242,3 +244,7 @@ def test_planner_finds_a_layout_and_prints_a_valid_command(recipe, nodes, capsys
     assert (parsed.parallel.tensor_parallel_size, parsed.parallel.expert_parallel_size,
             parsed.parallel.pipeline_parallel_size) == (best["tp"], best["ep"], best["pp"])
     assert parsed.train.activation_checkpointing == best["activation_checkpointing"]
+    assert (parsed.parallel.context_parallel_size, parsed.parallel.cp_comm) == (best["cp"], best["cp_comm"])
+    if "long_context" in recipe:    # at 32K the planner splits the sequence, as the recipe does
+        shipped = load_recipe(recipe).parallel
+        assert (best["cp"], best["cp_comm"]) == (shipped.context_parallel_size, shipped.cp_comm) == (4, "a2a")

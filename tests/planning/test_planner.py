@@ -105,7 +105,7 @@ def test_plan_prints_the_breakdown_and_both_mfus(capsys):
         want = best["tokens_per_s_per_gpu"] * shape.flops_per_token(4096, causal) / 989e12
         assert best[key] == pytest.approx(want)
     assert best["mfu_full_attn"] > best["mfu"]
-    from planning.estimator import format_plan
+    from planning.report import format_plan
     text = format_plan(result, result["command"], "")
     assert "MFU-12" in text and "#1 over #2" in text and "compute of #1 per step" in text
 
