@@ -36,7 +36,9 @@ Analytic minima (b*s*h: the tokens one rank computes times the hidden size):
   under SP its gradient's all-gather); without it q_proj enters it as q/k/v do. Under SP the
   down-projections' weight gradients are summed over tp, as the norms'. After the table, the same
   formulas at DeepSeek-V3's and Moonlight's widths (``--mla-tp``, ``--mla-tokens``): MLA's
-  attention traffic per block against GQA's at the same hidden size.
+  attention traffic per block against GQA's at the same hidden size; and context parallelism's
+  exchange per layer at 32K tokens (``cp_comparison``, ``planning/cost_comm.cp_volumes``, which
+  tests/planning/test_cp_estimates.py holds to the elements the model's collectives move).
 * EP: dispatch and combine each move exactly the routed rows (sum of routed_per_expert * h over
   the group, = k*T*h when dropless; no padding to E*capacity), backward the same exchanges
   reversed; plus the count exchange (E integers per rank) and the routed-count all-reduce of the
@@ -681,6 +683,44 @@ def mla_comparison(tp: int = 8, tokens: int = 4096) -> str:
     return "\n".join(lines)
 
 
+CP_SHAPES = ("recipes/long_context_7b.yaml", "recipes/mixtral_8x7b.yaml", "recipes/deepseek_v3.yaml")
+
+
+def cp_comparison(seq: int = 32768, cps=(2, 4, 8), gpu: str = "h100-80gb") -> str:
+    """Markdown: context parallelism's attention exchange per layer and rank for one ``seq``-token
+    sequence (bf16), each ``parallel.cp_comm``, from ``planning/cost_comm.cp_volumes`` (equal to
+    the elements the model's collectives move: tests/planning/test_cp_estimates.py), with the
+    seconds the cost model puts on them inside an 8-GPU node (``cp_seconds``; the ring's hidden
+    behind the layer's attention)."""
+    from planning.cost_comm import cp_seconds, cp_volumes
+    from planning.cost_compute import attention_seconds
+    from planning.cost_layout import Layout, Shape
+    from planning.hardware import cluster
+    from training.config.recipe import load_recipe
+    where = cluster(gpu, 8)
+    lines = [f"Context parallelism: one layer's attention exchange per rank, one {seq}-token sequence, "
+             f"bf16, inside one {gpu} node (MB a rank sends, forward + backward, ring collectives; "
+             f"ms the cost model does not hide)", "",
+             "| model | heads / kv heads | cp | a2a MB | allgather MB | p2p MB | a2a ms | allgather ms | p2p ms exposed |",
+             "|" + "---|" * 9]
+    for path in CP_SHAPES:
+        cfg = load_recipe(path, ["model.mtp_depth=0"]).model
+        shape = Shape.from_config(cfg)
+        kv = cfg.num_heads if cfg.mla else cfg.num_kv_heads
+        for cp in cps:
+            mb, ms = [], []
+            for mode in ("a2a", "allgather", "p2p"):
+                lay = Layout(world=cp, global_batch=1, seq_len=seq, cp=cp, cp_comm=mode, ep_splits_batch=True)
+                wire = {"all_gather": cp - 1, "reduce_scatter": (cp - 1) / cp}   # ring collectives
+                mb.append(sum(n * wire.get(op, 1) for (op, _), n in cp_volumes(shape, lay, range(1)).items())
+                          * 2 / 1e6)
+                attn = sum(attention_seconds(shape, lay, where.device))
+                ms.append(cp_seconds(shape, lay, where, range(1), attn) * 1e3)
+            lines.append(f"| {os.path.basename(path)[:-5]} | {cfg.num_heads} / {kv} | {cp} | "
+                         + " | ".join(f"{x:.1f}" for x in mb) + " | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
+    return "\n".join(lines)
+
+
 def run(sizes: Sizes, layouts: tuple[str, ...] | None = None) -> dict:
     """Spawn 2 gloo ranks, count, and return the gathered records."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -728,6 +768,7 @@ def main(argv=None) -> int:
         if not r.per_token and r.note:
             print(f"\nnote ({r.layout} {r.scope}): {r.traffic}: {r.note}")
     print("\n" + mla_comparison(args.mla_tp, args.mla_tokens))
+    print("\n" + cp_comparison())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(data, rows=[dataclasses.asdict(r) for r in rows]), f, indent=1)

@@ -144,3 +144,20 @@ def test_cp_divides_the_activations_and_the_ring_hides_behind_attention():
     assert hidden == pytest.approx(10 * where.latency(4, 1)) and exposed > 10 * hidden
     with pytest.raises(ValueError, match="cp 3 does not divide the 32 query heads"):
         dataclasses.replace(layout(2, "a2a"), cp=3, world=6, seq_len=32766).check(shape)
+
+
+def test_comm_volume_prints_the_cp_exchange_table():
+    """``benchmarks/comm_volume.py``'s context-parallel table: with full multi-head attention at
+    CP2 the all-to-all and the all-gather send the same bytes (4 h per token each: q, k, v and the
+    output at half, against K and V whole once each way), the ring twice that; from CP4 Ulysses
+    sends the least; under Mixtral's GQA (4 query heads per kv head) the all-gather sends less up
+    to CP4."""
+    from benchmarks import comm_volume as cv
+    rows = [line.strip("| ").split(" | ") for line in cv.cp_comparison().splitlines()
+            if line.startswith("| ") and line[2].isalpha() and not line.startswith("| model")]
+    table = {(r[0], int(r[2])): [float(x) for x in r[3:6]] for r in rows}
+    a2a, ag, p2p = table[("long_context_7b", 2)]
+    assert a2a == ag and p2p == pytest.approx(2 * a2a, abs=0.1)
+    assert all(table[("long_context_7b", cp)][0] < min(table[("long_context_7b", cp)][1:]) for cp in (4, 8))
+    assert all(table[("mixtral_8x7b", cp)][1] < table[("mixtral_8x7b", cp)][0] for cp in (2, 4))
+    assert len(table) == 9
