@@ -1,8 +1,9 @@
 """The next layout to try after running out of memory: a ladder of changes judged by the estimator.
 
 ``LADDER`` is ordered from the cheapest change to the most expensive one in step time: recompute
-activations, shard more model state, shrink the micro-batch (same global batch), split the
-matmuls over more GPUs of the node (same global batch), move optimizer states to CPU memory. Each
+activations, shard more model state, shrink the micro-batch (same global batch), split long
+sequences over more ranks (context parallelism, same global batch), split the matmuls over more
+GPUs of the node (same global batch), move optimizer states to CPU memory. Each
 rung is applied on top of the ones before it when the estimator (``planning/estimator.py``)
 says it lowers this rank's memory, and is checked as the trainer would check it (recipe
 validation, ``Recipe.dims``, ``validate_ds_config``, ``ds_config.check_layout``); the walk stops
@@ -31,7 +32,9 @@ from training.config.recipe import apply_overrides, recipe_from_dict
 
 LADDER = ("activation checkpointing full", "ZeRO stage + 1",
           "halve the micro-batch, double the accumulation",
+          "double context parallelism (long sequences)",
           "double tensor parallelism within the node", "offload the optimizer (and ZeRO-3 params)")
+LONG_SEQUENCE = 8192    # from here a sequence split over cp ranks hides its exchange behind attention
 NEXT_CONFIG = "oom_next_ds_config.json"
 
 
@@ -133,7 +136,8 @@ def _walk(build: _Builder, budget: float) -> tuple[_Candidate, tuple, list[dict]
     best = build(current)
     recipe, ds, _, mem = best
     rungs = []
-    for name, rung in zip(LADDER, (_rung_checkpointing, _rung_zero, _rung_micro, _rung_tp, _rung_offload)):
+    rungs_in_order = (_rung_checkpointing, _rung_zero, _rung_micro, _rung_cp, _rung_tp, _rung_offload)
+    for name, rung in zip(LADDER, rungs_in_order, strict=True):
         options = rung(recipe, ds, build.world, build.gpus_per_node)   # a reason to skip, or changes
         row = {"rung": name, "change": None, "status": "skipped", "estimate_gb": None,
                "reason": options if isinstance(options, str) else None}
@@ -182,6 +186,20 @@ def _rung_micro(recipe, ds, world, gpn):
         return "micro-batch is already 1"
     return [(f"micro-batch {micro} -> {micro // 2}, accumulation {acc} -> {acc * 2}", {},
              {"train_micro_batch_size_per_gpu": micro // 2, "gradient_accumulation_steps": acc * 2})]
+
+
+def _rung_cp(recipe, ds, world, gpn):
+    """Split each sequence over twice the ranks (docs/context-parallelism.md): every activation
+    divides by cp, the model states do not move (ZeRO shards over dp x cp either way)."""
+    par, acc = recipe.parallel, ds["gradient_accumulation_steps"]
+    cp, dp = par.context_parallel_size, recipe.dims(world).dp
+    if recipe.seq_len < LONG_SEQUENCE:
+        return f"sequence length {recipe.seq_len} is below {LONG_SEQUENCE}: tensor parallelism first"
+    if dp % 2:
+        return f"data-parallel size {dp} cannot be halved at a fixed world size"
+    return [(f"context parallelism {cp} -> {2 * cp} ({par.cp_comm}; accumulation {acc} -> {acc * 2} "
+             f"keeps the batch)", {"parallel.context_parallel_size": 2 * cp},
+             {"gradient_accumulation_steps": acc * 2})]
 
 
 def _rung_tp(recipe, ds, world, gpn):

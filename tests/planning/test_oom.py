@@ -166,6 +166,7 @@ def test_ladder_on_eight_gpus(tmp_path, monkeypatch):
     status = [(r["status"], r["change"]) for r in sug["rungs"]]
     assert status == [("skipped", None), ("applied", "ZeRO-1 -> ZeRO-3"),
                       ("skipped", "micro-batch 8 -> 4, accumulation 1 -> 2"), ("skipped", None),
+                      ("skipped", None),
                       ("applied", "offload the optimizer and parameters to CPU")], sug["rungs"]
     assert sug["fits"] and sug["estimate_gb"] * 1e9 <= est["budget"]
     written = json.loads(Path(sug["config"]).read_text())
@@ -210,3 +211,22 @@ def test_tensor_parallel_rung_turns_on_sequence_parallelism():
     odd = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, seq_len=recipe.seq_len - 1))
     [(_, sets, _)] = next_layout._rung_tp(odd, ds, 8, 8)
     assert sets == {"parallel.tensor_parallel_size": 2}
+
+
+def test_context_parallel_rung_for_long_sequences():
+    """A long sequence is split over twice the cp ranks (same global batch: accumulation doubled)
+    before the matmuls are split; the estimator then puts half the activations on each rank. A
+    short one skips the rung."""
+    from planning import estimator
+    recipe = load_recipe(REPO / "recipes" / "long_context_7b.yaml")
+    ds = {"gradient_accumulation_steps": 4}
+    [(what, sets, ds_keys)] = next_layout._rung_cp(recipe, ds, 16, 8)
+    assert sets == {"parallel.context_parallel_size": 8} and ds_keys == {"gradient_accumulation_steps": 8}
+    assert "context parallelism 4 -> 8 (a2a" in what
+    wider = load_recipe(REPO / "recipes" / "long_context_7b.yaml", [f"{k}={v}" for k, v in sets.items()])
+    zero3 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+             "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    acts = [estimator.estimate(r, dict(zero3, gradient_accumulation_steps=acc), 16)["worst"]["activations"]["saved"]
+            for r, acc in ((recipe, 4), (wider, 8))]
+    assert acts[1] / acts[0] == pytest.approx(0.5, rel=0.02)
+    assert "below 8192" in next_layout._rung_cp(load_recipe(REPO / "recipes" / "dense_7b.yaml"), ds, 8, 8)
