@@ -19,10 +19,10 @@ from model.checkpointing import CheckpointPolicy
 from model import mup
 from model.config import TransformerConfig
 from model.block import Attention, Block, MLP
-from model.document_mask import attention_inputs, document_ids
+from model.document_mask import document_ids
 from model.moe.layer import MoEAux, load_balancing_losses
 from model.mtp import MTPModule, depth_targets, shifted
-from model.parallel.cp_layout import cp_attention_inputs, split_for_cp
+from model.parallel.cp_layout import cp_slice, rank_attention_inputs
 from model.parallel.grad_sync import ReplicaGradSync
 from model.norm import RMSNorm
 from model.parallel.groups import ParallelGroups
@@ -78,9 +78,10 @@ def expert_parallel_rows(t: torch.Tensor, groups: ParallelGroups) -> torch.Tenso
 
 
 def sequence_length(x: torch.Tensor, groups: ParallelGroups) -> int:
-    """Full sequence length of a (B, S, H) residual-stream tensor between blocks (under sequence
-    parallelism it holds S/tp positions), for the RoPE tables."""
-    return x.shape[1] * (groups.tp if groups.sequence_parallel else 1)
+    """The window's length from a (B, s, H) residual-stream tensor between blocks (it holds S/cp
+    positions under context parallelism, and of those 1/tp under sequence parallelism), for the
+    RoPE tables."""
+    return x.shape[1] * (groups.tp if groups.sequence_parallel else 1) * groups.cp
 
 
 @dataclass
@@ -187,18 +188,16 @@ class Transformer(nn.Module):
         labels = expert_parallel_rows(labels, g) if labels is not None else None
         S, sep = input_ids.shape[1], self.cfg.document_separator_id
         docs = None if sep is None else document_ids(input_ids, sep)          # (B, S) whole window
-        if g.cp > 1:        # this cp rank's load-balanced S/cp tokens (model/parallel/context.py)
-            input_ids = split_for_cp(input_ids, g.cp, g.cp_rank)                # (B, S/cp)
-            labels = split_for_cp(labels, g.cp, g.cp_rank) if labels is not None else None
+        window = input_ids, labels          # MTP shifts on the whole window, then slices
+        # Under cp, this rank's load-balanced S/cp tokens (model/parallel/cp_layout.py).
+        input_ids = cp_slice(input_ids, g)                                      # (B, S/cp)
+        labels = cp_slice(labels, g) if labels is not None else None
         if g.sequence_parallel and input_ids.shape[1] % g.tp:
             raise ValueError(f"sequence length ({input_ids.shape[1]}) is not divisible by "
                              f"parallel.tensor_parallel_size ({g.tp}) under "
                              f"parallel.sequence_parallel")
         x = self.embed_tokens(input_ids)                        # (B, s, H); s/tp under SP
-        if g.cp > 1:
-            rope, mask = cp_attention_inputs(self.rotary, S, x, docs, g.cp, g.cp_rank, g.cp_comm)
-        else:
-            rope, mask = attention_inputs(self.rotary, S, x, docs)
+        rope, mask = rank_attention_inputs(self.rotary, S, x, docs, g)
         moe_aux = []
         for layer_idx, layer in enumerate(self.layers):
             if self.training and layer_idx in self.checkpoint_blocks:
@@ -209,7 +208,7 @@ class Transformer(nn.Module):
                 moe_aux.append(aux)
         out = TransformerOutput(logits=self._head(self.norm(x)), moe_aux=moe_aux)
         if self.mtp and labels is not None and (self.training or self.mtp_in_eval):
-            self._mtp(out, x, input_ids, labels, docs, rope, mask)
+            self._mtp(out, x, *window, docs, rope, mask)
         if moe_aux:
             # Per-rank contributions: under expert parallelism they sum over the ep group to the
             # micro-batch's values (see MoEAux).
@@ -235,10 +234,13 @@ class Transformer(nn.Module):
     def _mtp(self, out: TransformerOutput, hidden, input_ids, labels, docs, rope, mask) -> None:
         """The MTP depths after the main model (``model/mtp.py``): each depth's cross-entropy sum
         and target count into ``out``, its MoE aux after the main model's. ``hidden``: the last
-        block's output, before the final norm."""
+        block's output, before the final norm; ``input_ids``, ``labels``, ``docs``: the whole
+        window's (B, S), shifted there and then sliced for this cp rank (a chunk's last tokens
+        predict tokens of the next chunk)."""
+        g = self.groups
         for k, module in enumerate(self.mtp, start=1):
-            embedded = self.embed_tokens(shifted(input_ids, k, 0))          # tokens k ahead
-            targets = depth_targets(labels, k, docs)
+            embedded = self.embed_tokens(cp_slice(shifted(input_ids, k, 0), g))     # tokens k ahead
+            targets = cp_slice(depth_targets(labels, k, docs), g)
             hidden, normed, aux = module(hidden, embedded, rope, mask)
             out.mtp_ce_sum.append(self._ce_sum(self._head(normed), targets))
             out.mtp_target_tokens.append((targets != IGNORE_INDEX).sum())

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model.document_mask import (KERNELS, attend, attention_mask, create_block_mask, default_kernel,
-                                 document_positions)
+from model.document_mask import (KERNELS, attend, attention_inputs, attention_mask, create_block_mask,
+                                 default_kernel, document_positions)
 from model.parallel.comm import _active, gather_dim
 from model.parallel.dims import CP_COMMS
 
@@ -112,6 +112,22 @@ def cp_attention_inputs(rotary, seq_len: int, x: torch.Tensor, doc_ids: torch.Te
         return rotary(seq_len, x.device, x.dtype, positions_for_cp(seq_len, cp, rank, x.device)), None
     return (rotary(seq_len, x.device, x.dtype, cp_document_positions(doc_ids, cp, rank)),
             cp_document_mask(doc_ids, cp, rank, cp_comm))
+
+
+def cp_slice(t: torch.Tensor, groups) -> torch.Tensor:
+    """This cp rank's ``split_for_cp`` slice of a whole-window (B, S) tensor (``t`` itself
+    without context parallelism); ``groups``: the rank's ``ParallelGroups``."""
+    return split_for_cp(t, groups.cp, groups.cp_rank) if groups.cp > 1 else t
+
+
+def rank_attention_inputs(rotary, seq_len: int, x: torch.Tensor, doc_ids: torch.Tensor | None, groups):
+    """(rope, mask) for this rank's blocks: ``cp_attention_inputs`` under context parallelism
+    (``groups.cp`` > 1), else ``attention_inputs``. ``seq_len`` and ``doc_ids``: the whole
+    window's."""
+    if groups.cp > 1:
+        return cp_attention_inputs(rotary, seq_len, x, doc_ids, groups.cp, groups.cp_rank,
+                                   groups.cp_comm)
+    return attention_inputs(rotary, seq_len, x, doc_ids)
 
 
 def _prefix_mask(doc_ids: torch.Tensor, start: int, c: int, kernel: str):

@@ -90,7 +90,8 @@ CP_COMMS = ("a2a", "allgather", "p2p")
 def _cp_problems(d: ParallelDims) -> list[str]:
     """What context parallelism needs: whole chunks of the sequence (2 per cp rank, and the
     local S/cp split over tp under sequence parallelism), the query heads of a tp rank split
-    over cp for the all-to-all, no pipeline stages, no MTP."""
+    over cp for the all-to-all. Pipeline stages and MTP compose with it (each rank shifts the
+    MTP tokens and targets on the whole window before its slice)."""
     cp, out = d.cp, []
     if d.cp_comm not in CP_COMMS:
         out.append(f"parallel.cp_comm ({d.cp_comm!r}) must be one of {', '.join(CP_COMMS)}")
@@ -104,13 +105,6 @@ def _cp_problems(d: ParallelDims) -> list[str]:
         out.append(f"parallel.context_parallel_size ({cp}) does not divide the query heads per "
                    f"tp rank (model.num_heads {d.model.num_heads} / tp {d.tp}) for parallel.cp_comm "
                    f"a2a: use cp_comm allgather or p2p, or a cp that divides them")
-    if d.pp > 1:
-        out.append(f"parallel.context_parallel_size ({cp}) with parallel.pipeline_parallel_size "
-                   f"({d.pp}): the pipeline stages do not carry the cp split yet; set one of them to 1")
-    if d.model is not None and d.model.mtp_depth:
-        out.append(f"parallel.context_parallel_size ({cp}) with model.mtp_depth "
-                   f"({d.model.mtp_depth}): MTP shifts tokens across the cp shards; set "
-                   f"mtp_depth 0 or context_parallel_size 1")
     return out
 
 

@@ -8,12 +8,16 @@ in one launched process group (``WarmLauncher.launch_many``), as in ``test_train
 
     world 2: CP2 of Mixtral with a2a (ZeRO-1), p2p (ZeRO-2) and allgather (ZeRO-3); CP2 of
              the dense (Llama-family) model with a2a (ZeRO-0) and p2p (ZeRO-1); CP2 under
-             document masking with a2a and p2p (ZeRO-1); CP2 of Mixtral with MLA (a2a, ZeRO-1)
+             document masking with a2a and p2p (ZeRO-1); CP2 of Mixtral with MLA (a2a, ZeRO-1);
+             CP2 of Mixtral with two MTP depths under document masking (a2a, ZeRO-1), against
+             a control with them (also each depth's mtp_loss every step)
     world 4: CP4 of Mixtral (a2a, ZeRO-1) and of the dense model (p2p, ZeRO-2); CP2 x TP2 +
              SP (a2a, ZeRO-1); CP2 x EP2 (a2a, ZeRO-2); CP2 x DP2 (allgather, ZeRO-3, micro-batch
              4: the samples shard over dp only, ZeRO over dp x cp), against a control of
              micro-batch 4 x accumulation 2, whose micro-batches are the dp ranks' (the router
              losses are per micro-batch)
+    world 4, DeepSpeed's pipeline engine (1F1B): CP2 x PP2 of Mixtral (a2a, ZeRO-1); CP2 x PP2
+             with the two MTP depths on the last stage under document masking (p2p, ZeRO-1)
 
 Also: the evaluation losses (steps 5 and 10) equal the control's; a CP2 run stopped after 5
 steps and resumed from its checkpoint logs the same 10 steps (the same data order; DeepSpeed's
@@ -29,11 +33,15 @@ over its part of the tokens and the exchanges add the parts in another order
 (``tests/model/test_context_parallel.py``: at most 4.4e-7 per attention); DeepSpeed then
 averages the cp ranks' gradients as data-parallel ones. Measured over the 10 steps of every
 layout (2026-12-03, this machine): the loss within relative 1.8e-7, the grad norm 1.6e-7, the
-aux and z losses 1.8e-7 and 1.1e-7, the per-layer norms 3.4e-8, the expert load equal: 1e-5
-leaves 50x of room for the summation order, and a real error moves far more: the loss scaled by dp instead of dp x cp halves the grad norm (measured 0.462 against
-the control's 0.925 at step 1 of CP2, while AdamW's normalized update keeps the loss within
-2e-7); a rank holding the wrong tokens, positions or samples moves the loss at step 1 (the
-CP2 x DP2 run with micro-batch 8 instead of 4, 16 samples a step: 8.3373 against 8.3419).
+aux and z losses 1.8e-7 and 1.1e-7, the per-layer norms 3.4e-8, each MTP depth's loss 2.1e-7,
+the expert load equal: 1e-5 leaves 50x of room for the summation order, and a real error moves
+far more: the loss scaled by dp instead of dp x cp halves the grad norm (measured 0.462 against
+the control's 0.925 at step 1 of CP2, and 0.4627 against 0.9248 at CP2 x PP2 with the
+pipeline's ce_scale missing cp, while AdamW's normalized update keeps the loss within
+2e-7); MTP's tokens ahead and targets shifted after the cp split instead of before move the
+grad norm by 6e-4 and depth 1's loss by 6e-5 at step 1 (0.94240 against 0.94300); a rank
+holding the wrong tokens, positions or samples moves the loss at step 1 (the CP2 x DP2 run
+with micro-batch 8 instead of 4, 16 samples a step: 8.3373 against 8.3419).
 """
 
 from __future__ import annotations
@@ -57,6 +65,12 @@ MLA = ["model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=24", "m
        "model.yarn_mscale_all_dim=1.0"]
 
 
+PP2 = ["parallel.pipeline_parallel_size=2"]
+# Two MTP depths (model/mtp.py) under document masking: their tokens ahead and targets cross the
+# cp chunks and the document boundaries, so each rank shifts them on the whole window first.
+MTP_DOCS = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"] + DOCS
+
+
 def _cp(size: int, comm: str) -> list[str]:
     return [f"parallel.context_parallel_size={size}", f"parallel.cp_comm={comm}"]
 
@@ -77,10 +91,13 @@ LAYOUTS = {
                                                          "parallel.sequence_parallel=true"], "mixtral"),
     "cp2xep2-2": (4, 2, NO_JITTER + _cp(2, "a2a") + ["parallel.expert_parallel_size=2"], "mixtral"),
     "cp2xdp2-allgather-3": (4, "3-m4", NO_JITTER + _cp(2, "allgather"), "mixtral-m4"),
+    "mtp-docs-cp2-a2a-1": (2, 1, NO_JITTER + MTP_DOCS + _cp(2, "a2a"), "mtp-docs"),
+    "cp2xpp2-a2a-1": (4, 1, NO_JITTER + _cp(2, "a2a") + PP2, "mixtral"),
+    "mtp-docs-cp2xpp2-p2p-1": (4, 1, NO_JITTER + MTP_DOCS + _cp(2, "p2p") + PP2, "mtp-docs"),
 }
 # name -> (DeepSpeed JSON, recipe overrides): ZeRO-1 on one process
 CONTROLS = {"mixtral": (1, NO_JITTER), "dense": (1, DENSE), "docs": (1, NO_JITTER + DOCS), "mla": (1, NO_JITTER + MLA),
-            "mixtral-m4": ("1-m4x2", NO_JITTER)}
+            "mixtral-m4": ("1-m4x2", NO_JITTER), "mtp-docs": (1, NO_JITTER + MTP_DOCS)}
 
 
 def _config(tmp, stage) -> str:
@@ -124,7 +141,7 @@ def test_context_parallel_layout_matches_the_single_process_control(layout, runs
     assert len(got) == len(ref) == 10
     moe = not control.startswith("dense")
     keys = ["loss", "grad_norm"] + (["aux_loss", "z_loss", "expert_load_max_over_mean"] if moe else [])
-    worst = dict.fromkeys([*keys, "grad_norm_layers"], 0.0)
+    worst = dict.fromkeys([*keys, "grad_norm_layers", "mtp_loss"], 0.0)
     for a, b in zip(ref, got):
         assert ("aux_loss" in b) == moe and (b["tokens"], b["lr"]) == (a["tokens"], a["lr"]), layout
         pairs = [(key, a[key], b[key]) for key in keys]
@@ -133,6 +150,9 @@ def test_context_parallel_layout_matches_the_single_process_control(layout, runs
             la, lb = ([x["embed"], *x["blocks"], x["head"]] for x in (a["grad_norm_layers"],
                                                                      b["grad_norm_layers"]))
             pairs += [("grad_norm_layers", x, y) for x, y in zip(la, lb)]
+        if control.startswith("mtp"):        # each depth's mean cross-entropy
+            assert len(a["mtp_loss"]) == len(b["mtp_loss"]) == 2, layout
+            pairs += [("mtp_loss", x, y) for x, y in zip(a["mtp_loss"], b["mtp_loss"])]
         for key, want, have in pairs:
             assert have == pytest.approx(want, rel=1e-5), (layout, key, a["step"])
             worst[key] = max(worst[key], _relative(want, have))
@@ -155,7 +175,7 @@ def test_resumed_context_parallel_run_logs_the_uninterrupted_steps(runs):
         assert (b["loss"], b["grad_norm"], b["tokens"]) == (a["loss"], a["grad_norm"], a["tokens"]), a["step"]
 
 
-@pytest.mark.parametrize("layout", ["cp2-allgather-3", "cp2xtp2-sp-1", "cp2xep2-2"])
+@pytest.mark.parametrize("layout", ["cp2-allgather-3", "cp2xtp2-sp-1", "cp2xep2-2", "cp2xpp2-a2a-1"])
 def test_context_parallel_checkpoint_consolidates_to_the_control_weights(layout, runs):
     """After 10 AdamW steps the weights agree to rtol 1e-4 and ``WEIGHT_ATOL`` (tests/runs.py:
     a near-zero gradient's rounding, scaled by AdamW; measured at most 4.7e-6 here)."""

@@ -61,10 +61,6 @@ def test_each_problem_is_one_line_naming_the_field(kwargs, message):
     (dict(cp=4, tp=4, model=replace(MIXTRAL, vocab_size=128)), r"does not divide the query heads per "
                                                                r"tp rank \(model\.num_heads 8 / tp 4\)"),
     (dict(cp=2, cp_comm="ring"), r"parallel\.cp_comm \('ring'\) must be one of a2a, allgather, p2p"),
-    (dict(cp=2, pp=2), r"parallel\.context_parallel_size \(2\) with parallel\.pipeline_parallel_size "
-                       r"\(2\): .*set one of them to 1"),
-    (dict(cp=2, model=replace(MIXTRAL, mtp_depth=1)), r"parallel\.context_parallel_size \(2\) with "
-                                                      r"model\.mtp_depth \(1\)"),
     (dict(cp=2, tp=2, world_size=6), r"world size \(6\) is not divisible by .* \(2 x 1 x 2 x 1 = 4\)"),
 ])
 def test_context_parallel_refusals_are_one_line(kwargs, message):
@@ -75,13 +71,17 @@ def test_context_parallel_refusals_are_one_line(kwargs, message):
 
 def test_context_parallel_degrees_that_work():
     """cp takes its share of the world; any cp with allgather and p2p (3 does not divide 8 heads);
-    a2a with GQA's kv heads fewer than cp (repeated, see ``ulysses_attention``); SP at the lcm."""
+    a2a with GQA's kv heads fewer than cp (repeated, see ``ulysses_attention``); SP at the lcm;
+    pipeline stages and MTP."""
     dims = ParallelDims(tp=2, ep=2, cp=2, world_size=16, model=MIXTRAL, seq_len=64)
     assert dims.dp == 2 and dims.problems() == []
     for comm in ("allgather", "p2p"):
         ParallelDims(cp=3, cp_comm=comm, model=MIXTRAL, seq_len=66)
     ParallelDims(cp=4, model=MIXTRAL, seq_len=64)           # 2 kv heads, cp 4: a2a repeats them
     ParallelDims(cp=2, tp=2, sp=True, model=MIXTRAL, seq_len=4)     # S/cp = 2, split over tp 2
+    # Pipeline stages and MTP compose with cp (tests/parallel/test_context_parallel_layouts.py).
+    dims = ParallelDims(cp=2, pp=2, world_size=8, model=replace(MIXTRAL, mtp_depth=2), seq_len=64)
+    assert dims.dp == 2 and dims.problems() == []
 
 
 def test_kv_heads_split_or_replicated():

@@ -2,7 +2,9 @@
 
 Each layer maps the stage I/O to the stage I/O, a tuple ``(hidden, aux_sum, z_sum, *docs, *tail)``
 (``split_io``): ``docs`` the (B, S) document ids under document masking, ``tail`` what multi-token
-prediction carries (``model.mtp_depth`` D > 0; ``model/mtp.py``):
+prediction carries (``model.mtp_depth`` D > 0; ``model/mtp.py``). Under context parallelism the
+hidden states hold this cp rank's S/cp tokens while the document and token ids stay whole-window,
+as in ``Transformer.forward``:
 
     between stages                the (B, S) token ids (integer: no gradient)
     after ``embed_ahead``         the D embeddings of the tokens 1..D ahead     (last stage)
@@ -24,9 +26,10 @@ import torch.utils.checkpoint
 from model import mup
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig
-from model.document_mask import attention_inputs, document_ids
+from model.document_mask import document_ids
 from model.moe.layer import load_balancing_losses
 from model.mtp import MTPModule, shifted
+from model.parallel.cp_layout import cp_slice, rank_attention_inputs
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from model.rope import rotary_for
@@ -70,7 +73,9 @@ class EmbeddingPipe(nn.Module):
 
     def forward(self, input_ids: torch.Tensor):
         input_ids = expert_parallel_rows(input_ids, self.groups)                         # (B/ep, S)
-        x = self.embed_tokens(input_ids)                                                 # (B/ep, S, H)
+        # Under cp this rank embeds its split_for_cp slice; the document ids and MTP's token
+        # ids stay whole-window (each later layer slices what it derives from them).
+        x = self.embed_tokens(cp_slice(input_ids, self.groups))                          # (B/ep, S/cp, H)
         # Zeros inside the autograd graph (a sum over no elements of x): DeepSpeed runs backward
         # on every floating-point stage output, so the sums must require grad even on a stage
         # without MoE layers.
@@ -87,7 +92,8 @@ def embed_ahead(embedding: EmbeddingPipe, inputs):
     x, aux_sum, z_sum, docs, (input_ids,) = split_io(embedding.cfg, inputs)
     if not embedding.training:
         return x, aux_sum, z_sum, *docs
-    ahead = [embedding.embed_tokens(shifted(input_ids, k, 0))                       # (B, S, H) each
+    # Shifted on the whole window, then this cp rank's slice (Transformer._mtp).
+    ahead = [embedding.embed_tokens(cp_slice(shifted(input_ids, k, 0), embedding.groups))  # (B, S/cp, H)
              for k in range(1, embedding.cfg.mtp_depth + 1)]
     return x, aux_sum, z_sum, *docs, *ahead
 
@@ -139,7 +145,8 @@ class BlockPipe(nn.Module):
 
     def forward(self, inputs):
         x, aux_sum, z_sum, docs, tail = split_io(self.cfg, inputs)
-        rope, mask = attention_inputs(self.rotary, sequence_length(x, self.groups), x, *docs)
+        rope, mask = rank_attention_inputs(self.rotary, sequence_length(x, self.groups), x,
+                                           *(docs or [None]), self.groups)
         if self.checkpoint_whole and self.training:
             x, aux = torch.utils.checkpoint.checkpoint(self.block, x, rope, mask, use_reentrant=False)
         else:
@@ -180,7 +187,8 @@ class MTPPipe(nn.Module):
         x, aux_sum, z_sum, docs, ahead = split_io(self.cfg, inputs)
         if not ahead:
             return inputs
-        rope, mask = attention_inputs(self.rotary, sequence_length(x, self.groups), x, *docs)
+        rope, mask = rank_attention_inputs(self.rotary, sequence_length(x, self.groups), x,
+                                           *(docs or [None]), self.groups)
         hidden, normed = x, []
         for module, embedded, row in zip(self.mtp, ahead, self.moe_rows, strict=True):
             hidden, out, aux = module(hidden, embedded, rope, mask)

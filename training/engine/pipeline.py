@@ -44,6 +44,16 @@ order (DeepSpeed back-propagates each stage output separately, so a parameter's 
 earlier stage is summed in another order; tests/parallel/test_train_layouts.py holds 1e-4).
 Under fp32 ZeRO-0, gradients are clipped with the trainer's norm (``clip_fp32_with_norm``).
 
+Context parallelism (cp > 1, docs/context-parallelism.md): the first stage gets the whole
+(B, S) window, derives the document ids on it and embeds its ``split_for_cp`` slice; the
+hidden state between stages is the rank's S/cp tokens while the document and MTP token ids
+stay whole-window; each block takes the cp RoPE positions and masks (``rank_attention_inputs``),
+the MTP embeddings and targets are shifted on the whole window and then sliced, and
+``PipelineLoss`` slices the labels. cp sits between ep and dp in the rank order, so the
+topology's 'data' axis is dp x cp and the pipeline engine averages over it, as the non-pipeline
+engine does through the mpu; ``dp`` above then reads dp x cp, and the router loss is
+multiplied by cp, as in the stepper.
+
 Statistics: the loss and every MoE layer stash detached per-micro-batch values on this rank;
 ``TransformerPipe.add_step_stats`` fills the trainer's statistics vector, which the trainer sums
 over the batch group and the pipeline group (each value lives on exactly one stage). With
@@ -75,6 +85,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from model.config import TransformerConfig
 from model.mtp import depth_targets
+from model.parallel.cp_layout import cp_slice
 from model.parallel.groups import ParallelGroups
 from model.parallel.grad_sync import ReplicaGradSync
 from model.parallel.layers import cross_entropy_sum
@@ -86,7 +97,7 @@ from training.engine.pipe_layers import (BlockPipe, EmbeddingPipe, FinalNormPipe
 class PipelineLoss:
     """``loss_fn`` of the last stage: the trainer's objective for one micro-batch.
 
-    Returns ``(ce_sum + mtp) * ce_scale + router_loss``, ``ce_scale = dp * gas / step_tokens``
+    Returns ``(ce_sum + mtp) * ce_scale + cp * router_loss``, ``ce_scale = dp * cp * gas / step_tokens``
     (set by the trainer, see the module docstring), ``mtp`` the MTP depths' objective
     (``Transformer.mtp_objective``: ``mtp_loss_coef / D`` x their cross-entropy sums, targets from
     ``depth_targets``), and keeps ``[ce_sum, target_tokens, loss, depth ce sums..., depth
@@ -105,14 +116,16 @@ class PipelineLoss:
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         logits, aux_sum, z_sum, docs, depth_logits = split_io(self.cfg, outputs)
-        labels = expert_parallel_rows(labels, self.groups)       # the rows EmbeddingPipe kept on this rank
+        window = expert_parallel_rows(labels, self.groups)      # the rows EmbeddingPipe kept on this rank
+        labels = cp_slice(window, self.groups)                  # (B, S/cp): this cp rank's tokens
         ce_sum = self._ce(logits, labels)
         if self.moe is None:          # keep the carried sums in the graph (see module docstring)
             router = 0.0 * (aux_sum + z_sum)
-        else:                         # means over MoE layers, as Transformer.router_loss
-            router = (self.moe.aux_loss_coef * (aux_sum / self.num_moe_layers)
-                      + self.moe.z_loss_coef * (z_sum / self.num_moe_layers))
-        targets = [depth_targets(labels, k, docs[0] if docs else None)
+        else:     # means over MoE layers, as Transformer.router_loss; x cp, as the stepper does
+            router = self.groups.cp * (self.moe.aux_loss_coef * (aux_sum / self.num_moe_layers)
+                                       + self.moe.z_loss_coef * (z_sum / self.num_moe_layers))
+        # MTP targets on the whole window (the docs are whole-window), then this cp rank's slice.
+        targets = [cp_slice(depth_targets(window, k, docs[0] if docs else None), self.groups)
                    for k in range(1, len(depth_logits) + 1)]
         depth_ce = [self._ce(lg, t) for lg, t in zip(depth_logits, targets)]
         mtp = self.cfg.mtp_loss_coef / len(depth_ce) * torch.stack(depth_ce).sum() if depth_ce else 0.0
@@ -154,12 +167,14 @@ class TransformerPipe(PipelineModule):
             layers += [LayerSpec(FinalNormPipe, *args, init=init), tied_embedding(forward_fn=unembed)]
         else:
             layers.append(LayerSpec(HeadPipe, *args, init=init))
+        # cp sits between ep and dp in the rank order, so dp x cp is the topology's 'data' axis
+        # (coordinate dp_rank * cp + cp_rank): the pipeline engine averages over dp x cp.
         topology = PipeModelDataParallelTopology(num_pp=groups.pp, num_mp=groups.tp * groups.ep,
-                                                 num_dp=groups.dp)
+                                                 num_dp=groups.dp * groups.cp)
         super().__init__(layers=layers, topology=topology, loss_fn=PipelineLoss(cfg, groups),
                          partition_method="type:BlockPipe")
         coord = topology.get_coord(self.global_rank)
-        assert (coord.pipe, coord.data, coord.model) == (groups.pp_rank, groups.dp_rank,
+        assert (coord.pipe, coord.data, coord.model) == (groups.pp_rank, groups.get_data_parallel_rank(),
                                                          groups.mp_rank), "rank layouts differ"
         self.cfg = cfg
         # Replicated parameters' gradients summed over tp/ep per parameter in each backward (the

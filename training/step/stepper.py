@@ -139,7 +139,7 @@ class Stepper:
             from training.engine import pipeline
             gas = ds["gradient_accumulation_steps"]
             # DeepSpeed divides the last stage's loss by gas: undo it (see training/engine/pipeline.py).
-            self.model.loss_fn.ce_scale = dp_size * gas / self.tokens_per_step
+            self.model.loss_fn.ce_scale = dp_size * self.cp * gas / self.tokens_per_step
             # The step's decision, left by ``_pipeline_before_step`` (DeepSpeed calls it inside
             # ``train_batch``) for the clipping below and for ``_pipeline_train_step``.
             self._pipeline_decision: StepDecision | None = None
