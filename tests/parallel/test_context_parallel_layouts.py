@@ -11,7 +11,8 @@ in one launched process group (``WarmLauncher.launch_many``), as in ``test_train
              document masking with a2a and p2p (ZeRO-1); CP2 of Mixtral with MLA (a2a, ZeRO-1);
              CP2 of Mixtral with two MTP depths under document masking (a2a, ZeRO-1), against
              a control with them (also each depth's mtp_loss every step)
-    world 4: CP4 of Mixtral (a2a, ZeRO-1) and of the dense model (p2p, ZeRO-2); CP2 x TP2 +
+    world 4: CP4 of Mixtral (a2a and p2p, ZeRO-1) and of the dense model (p2p at ZeRO-2, a2a at
+             ZeRO-1: its 2 kv heads repeated to 4); CP2 x TP2 +
              SP (a2a, ZeRO-1); CP2 x EP2 (a2a, ZeRO-2); CP2 x DP2 (allgather, ZeRO-3, micro-batch
              4: the samples shard over dp only, ZeRO over dp x cp), against a control of
              micro-batch 4 x accumulation 2, whose micro-batches are the dp ranks' (the router
@@ -87,6 +88,8 @@ LAYOUTS = {
     "mla-cp2-a2a-1": (2, 1, NO_JITTER + MLA + _cp(2, "a2a"), "mla"),
     "cp4-a2a-1": (4, 1, NO_JITTER + _cp(4, "a2a"), "mixtral"),
     "dense-cp4-p2p-2": (4, 2, DENSE + _cp(4, "p2p"), "dense"),
+    "cp4-p2p-1": (4, 1, NO_JITTER + _cp(4, "p2p"), "mixtral"),
+    "dense-cp4-a2a-1": (4, 1, DENSE + _cp(4, "a2a"), "dense"),
     "cp2xtp2-sp-1": (4, 1, NO_JITTER + _cp(2, "a2a") + ["parallel.tensor_parallel_size=2",
                                                          "parallel.sequence_parallel=true"], "mixtral"),
     "cp2xep2-2": (4, 2, NO_JITTER + _cp(2, "a2a") + ["parallel.expert_parallel_size=2"], "mixtral"),

@@ -19,7 +19,8 @@ TINY = ("tiny_dense.yaml", "tiny_switch.yaml", "tiny_mixtral.yaml", "tiny_qwen3_
         "tiny_deepseek_moe.yaml", "tiny_deepseek_v3.yaml")
 EXPECTED = {*TINY, "dense_125m.yaml", "dense_1p3b.yaml", "dense_7b.yaml", "switch_base_8.yaml",
             "switch_base_128.yaml", "mixtral_8x7b.yaml", "mixtral_8x22b.yaml", "qwen3_30b_a3b.yaml",
-            "deepseek_v3_style.yaml", "deepseek_v3.yaml", "kimi_k2.yaml", "moonlight_16b_a3b.yaml"}
+            "deepseek_v3_style.yaml", "deepseek_v3.yaml", "kimi_k2.yaml", "moonlight_16b_a3b.yaml",
+            "long_context_7b.yaml"}
 MULTINODE_SCRIPTS = ("launch/multinode_hostfile.sh", "launch/slurm_8x8.sbatch")
 
 
@@ -86,6 +87,7 @@ PUBLISHED = [
     ("dense_125m.yaml", 125e6, 125e6, 0.03),
     ("dense_1p3b.yaml", 1.3e9, 1.3e9, 0.03),
     ("dense_7b.yaml", 6.74e9, 6.74e9, 0.01),
+    ("long_context_7b.yaml", 6.74e9, 6.74e9, 0.01),   # the same model at 32K (RoPE base only)
     ("mixtral_8x7b.yaml", 46.7e9, 12.9e9, 0.01),
     ("mixtral_8x22b.yaml", 141e9, 39e9, 0.01),
     ("qwen3_30b_a3b.yaml", 30.5e9, 3.3e9, 0.02),       # Qwen3 model card: 30.5B / 3.3B
