@@ -212,10 +212,10 @@ TRAIN_CASES = [
      r"parallel\.context_parallel_size \((\d+)\) does not divide the query heads per tp rank "
      r"\(model\.num_heads \d+ / tp 1\) for parallel\.cp_comm a2a: use cp_comm allgather or p2p, "
      r"or a cp that divides them"),
-    ("cp_with_pipeline", lambda w: ["--config", w.good, "--set", "parallel.context_parallel_size=2",
-                                    "parallel.pipeline_parallel_size=2"],
-     r"parallel\.context_parallel_size \(2\) with parallel\.pipeline_parallel_size \(2\): the "
-     r"pipeline stages do not carry the cp split yet; set one of them to 1"),
+    ("cp_seq_len", lambda w: ["--config", w.good, "--set", "parallel.context_parallel_size=2",
+                              "data.seq_len=66", "model.max_seq_len=66"],
+     r"data\.seq_len \(66\) is not divisible by 4 for parallel\.context_parallel_size \(2\) \(2 x cp "
+     r"chunks\): use a multiple of 4"),
     ("steps_0", lambda w: ["--config", w.good, "--steps", "0"],
      r"--steps: 0 must be >= 1"),
     ("init_from_missing", lambda w: ["--config", w.good, "--init-from", w.path("no_init")],

@@ -9,6 +9,7 @@ in one launched process group (``WarmLauncher.launch_many``), as in ``test_train
     world 2: CP2 of Mixtral with a2a (ZeRO-1), p2p (ZeRO-2) and allgather (ZeRO-3); CP2 of
              the dense (Llama-family) model with a2a (ZeRO-0) and p2p (ZeRO-1); CP2 under
              document masking with a2a and p2p (ZeRO-1); CP2 of Mixtral with MLA (a2a, ZeRO-1);
+             CP2 under activation checkpointing (full with p2p, attention with a2a; ZeRO-1);
              CP2 of Mixtral with two MTP depths under document masking (a2a, ZeRO-1), against
              a control with them (also each depth's mtp_loss every step)
     world 4: CP4 of Mixtral (a2a and p2p, ZeRO-1) and of the dense model (p2p at ZeRO-2, a2a at
@@ -86,6 +87,11 @@ LAYOUTS = {
     "docs-cp2-a2a-1": (2, 1, NO_JITTER + DOCS + _cp(2, "a2a"), "docs"),
     "docs-cp2-p2p-1": (2, 1, NO_JITTER + DOCS + _cp(2, "p2p"), "docs"),
     "mla-cp2-a2a-1": (2, 1, NO_JITTER + MLA + _cp(2, "a2a"), "mla"),
+    # Activation checkpointing recomputes the exchanges in backward: whole blocks (the ring's
+    # forward sends again), and the attention sub-layer alone (the all-to-alls again).
+    "ckpt-full-cp2-p2p-1": (2, 1, NO_JITTER + _cp(2, "p2p") + ["train.activation_checkpointing=full"], "mixtral"),
+    "ckpt-attention-cp2-a2a-1": (2, 1, NO_JITTER + _cp(2, "a2a") + ["train.activation_checkpointing=attention"],
+                                 "mixtral"),
     "cp4-a2a-1": (4, 1, NO_JITTER + _cp(4, "a2a"), "mixtral"),
     "dense-cp4-p2p-2": (4, 2, DENSE + _cp(4, "p2p"), "dense"),
     "cp4-p2p-1": (4, 1, NO_JITTER + _cp(4, "p2p"), "mixtral"),

@@ -65,8 +65,8 @@ def test_estimators_recover_the_gradient_and_the_noise_on_synthetic_gradients():
     assert resumed.row(2 * small[0], big[0] ** 0.5, True) == gns.row(2 * small[0], big[0] ** 0.5, True)
 
 
-def _groups(tp=1, ep=1, pp=1):
-    return SimpleNamespace(tp=tp, ep=ep, pp=pp)
+def _groups(tp=1, ep=1, pp=1, cp=1):
+    return SimpleNamespace(tp=tp, ep=ep, pp=pp, cp=cp)
 
 
 def test_only_layouts_where_grad_holds_the_micro_batch_gradient():
@@ -81,7 +81,7 @@ def test_only_layouts_where_grad_holds_the_micro_batch_gradient():
                ({**bf16, "data_types": {"grad_accum_dtype": "fp32"}}, _groups()),
                ({**fp32, "fp16": {"enabled": True}}, _groups()),
                ({**fp32, "gradient_accumulation_steps": 1}, _groups()),
-               (fp32, _groups(tp=2)), (fp32, _groups(ep=2)), (fp32, _groups(pp=2))]
+               (fp32, _groups(tp=2)), (fp32, _groups(ep=2)), (fp32, _groups(pp=2)), (fp32, _groups(cp=2))]
     for ds, groups in refused:
         assert noise_scale.unavailable_reason(ds, groups), (ds, groups)
 
