@@ -66,6 +66,9 @@ def export_hf(model, cfg, tokenizer, out_dir: Path, dtype: torch.dtype = torch.f
             setattr(hf_config, name, getattr(tokenizer, name, None))
     log(f"converting {cfg.family} weights to {type(hf_config).__name__.removesuffix('Config')}"
         f"ForCausalLM layout ({str(dtype).removeprefix('torch.')})")
+    if cfg.moe is not None and cfg.moe.router_dtype == "bf16":
+        log("note: this model was trained with model.moe.router_dtype bf16; transformers routes in "
+            "fp32 (close, not the trained arithmetic: ties between experts may break differently)")
     our_sd = {k: v.detach().to("cpu", dtype) for k, v in model.state_dict().items()
               if cfg.mtp_depth or not k.startswith("mtp.")}
     hf_sd = hf.to_hf_state_dict(cfg, our_sd)

@@ -226,6 +226,16 @@ def test_bfloat16_export(tmp_path):
     assert torch.equal(w, ours.layers[1].self_attn.k_proj.weight.bfloat16())
 
 
+@pytest.mark.parametrize("router_dtype", ["fp32", "bf16"])
+def test_a_bf16_router_is_named_at_export(router_dtype, tmp_path, capsys):
+    """transformers routes in fp32: a model trained with ``model.moe.router_dtype: bf16`` exports
+    with the same weights and one note saying its routing arithmetic changes."""
+    cfg = OurMixtralConfig(**TINY, moe=MoEConfig(num_experts=4, top_k=2, router_dtype=router_dtype)).validate()
+    hf_files.export_hf(Transformer(cfg), cfg, None, tmp_path / "hf")
+    notes = [line for line in capsys.readouterr().err.splitlines() if "router_dtype bf16" in line]
+    assert len(notes) == (router_dtype == "bf16")
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 def test_tokenizer_round_trip(tmp_path, monkeypatch):
