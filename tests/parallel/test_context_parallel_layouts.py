@@ -10,7 +10,8 @@ in one launched process group (``WarmLauncher.launch_many``), as in ``test_train
              the dense (Llama-family) model with a2a (ZeRO-0) and p2p (ZeRO-1); CP2 under
              document masking with a2a and p2p (ZeRO-1); CP2 of Mixtral with MLA (a2a, ZeRO-1);
              CP2 under activation checkpointing (full with p2p, attention with a2a; ZeRO-1);
-             CP2 of Mixtral with two MTP depths under document masking (a2a, ZeRO-1), against
+             CP2 of Mixtral with two MTP depths under document masking (a2a, ZeRO-1) and with
+             MLA and two MTP depths (DeepSeek-V3's pair, p2p, ZeRO-1), against
              a control with them (also each depth's mtp_loss every step)
     world 4: CP4 of Mixtral (a2a and p2p, ZeRO-1) and of the dense model (p2p at ZeRO-2, a2a at
              ZeRO-1: its 2 kv heads repeated to 4); CP2 x TP2 +
@@ -101,12 +102,14 @@ LAYOUTS = {
     "cp2xep2-2": (4, 2, NO_JITTER + _cp(2, "a2a") + ["parallel.expert_parallel_size=2"], "mixtral"),
     "cp2xdp2-allgather-3": (4, "3-m4", NO_JITTER + _cp(2, "allgather"), "mixtral-m4"),
     "mtp-docs-cp2-a2a-1": (2, 1, NO_JITTER + MTP_DOCS + _cp(2, "a2a"), "mtp-docs"),
+    "mla-mtp-cp2-p2p-1": (2, 1, NO_JITTER + MLA + MTP_DOCS[:2] + _cp(2, "p2p"), "mla-mtp"),
     "cp2xpp2-a2a-1": (4, 1, NO_JITTER + _cp(2, "a2a") + PP2, "mixtral"),
     "mtp-docs-cp2xpp2-p2p-1": (4, 1, NO_JITTER + MTP_DOCS + _cp(2, "p2p") + PP2, "mtp-docs"),
 }
 # name -> (DeepSpeed JSON, recipe overrides): ZeRO-1 on one process
 CONTROLS = {"mixtral": (1, NO_JITTER), "dense": (1, DENSE), "docs": (1, NO_JITTER + DOCS), "mla": (1, NO_JITTER + MLA),
-            "mixtral-m4": ("1-m4x2", NO_JITTER), "mtp-docs": (1, NO_JITTER + MTP_DOCS)}
+            "mixtral-m4": ("1-m4x2", NO_JITTER), "mtp-docs": (1, NO_JITTER + MTP_DOCS),
+            "mla-mtp": (1, NO_JITTER + MLA + MTP_DOCS[:2])}
 
 
 def _config(tmp, stage) -> str:
@@ -159,7 +162,7 @@ def test_context_parallel_layout_matches_the_single_process_control(layout, runs
             la, lb = ([x["embed"], *x["blocks"], x["head"]] for x in (a["grad_norm_layers"],
                                                                      b["grad_norm_layers"]))
             pairs += [("grad_norm_layers", x, y) for x, y in zip(la, lb)]
-        if control.startswith("mtp"):        # each depth's mean cross-entropy
+        if "mtp" in control:                 # each depth's mean cross-entropy
             assert len(a["mtp_loss"]) == len(b["mtp_loss"]) == 2, layout
             pairs += [("mtp_loss", x, y) for x, y in zip(a["mtp_loss"], b["mtp_loss"])]
         for key, want, have in pairs:
