@@ -109,22 +109,31 @@ def _ranks(rank: int, world: int, args, modes, out) -> None:
             out.put(rows)
 
 
+def spawn_rows(cps, single, ranks, args, modes) -> list:
+    """For each cp in ``cps``: ``single()`` on this process at cp 1, else ``ranks(rank, world,
+    args, modes, out)`` on cp spawned gloo ranks, whose rank 0 puts one row per mode in ``out``;
+    the rows in that order (also ``context_parallel_model_memory.py``'s)."""
+    import torch.multiprocessing as mp
+    results = []
+    for cp in cps:
+        if cp == 1:
+            results.append(single())
+            continue
+        out = mp.get_context("spawn").SimpleQueue()
+        run_ranks(ranks, cp, args, modes, out, timeout=1800.0)
+        results += [out.get() for _ in modes]
+    return results
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     cps = [int(c) for c in args.cps.split(",")]
     modes = args.modes.split(",")
     for m in modes:
         cpx._check_comm(m)
-    results = []
     for cp in cps:
         cpx.split_for_cp(torch.zeros(1, args.seq), cp, 0)                  # its error, early
-        if cp == 1:
-            results.append([measure(args, None, 1, 0, None)])
-            continue
-        import torch.multiprocessing as mp
-        out = mp.get_context("spawn").SimpleQueue()
-        run_ranks(_ranks, cp, args, modes, out, timeout=1800.0)
-        results += [out.get() for _ in modes]
+    results = spawn_rows(cps, lambda: [measure(args, None, 1, 0, None)], _ranks, args, modes)
     base = results[0][0]["saved"] if cps[0] == 1 else None
     mib = 2.0 ** 20
     print(f"S = {args.seq}, B = {args.batch}, heads {args.heads}/{args.kv_heads} x {args.head_dim}, fp32; "

@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.context_parallel_memory import spawn_rows  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.parallel.groups import build_groups  # noqa: E402
 from planning import memory_model as mm  # noqa: E402
 from planning.measured import saved_activation_bytes  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 
 MODES = ("a2a", "allgather", "p2p")
@@ -71,8 +71,8 @@ def measure(args, cp: int, mode: str, groups=None) -> dict:
     return {"cp": cp, "mode": mode if cp > 1 else "-", "saved": saved, "cpu_masks": sum(masked.values())}
 
 
-def _ranks(rank: int, world: int, args, out) -> None:
-    for mode in MODES:
+def _ranks(rank: int, world: int, args, modes, out) -> None:
+    for mode in modes:
         row = measure(args, world, mode, build_groups(cp=world, cp_comm=mode))
         rows = [None] * world
         dist.all_gather_object(rows, row)
@@ -83,15 +83,8 @@ def _ranks(rank: int, world: int, args, out) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = _cfg(args)
-    results = []
-    for cp in (int(c) for c in args.cps.split(",")):
-        if cp == 1:
-            results.append(measure(args, 1, "-"))
-            continue
-        import torch.multiprocessing as mp
-        out = mp.get_context("spawn").SimpleQueue()
-        run_ranks(_ranks, cp, args, out, timeout=1800.0)
-        results += [out.get() for _ in MODES]
+    cps = [int(c) for c in args.cps.split(",")]
+    results = spawn_rows(cps, lambda: measure(args, 1, "-"), _ranks, args, MODES)
     base = next((r["saved"] for r in results if r["cp"] == 1), None)
     mib = 2.0 ** 20
     print(f"{args.recipe}, S = {args.seq}, fp32, one window; saved for backward per rank (the largest rank)")

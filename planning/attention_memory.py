@@ -44,6 +44,11 @@ def mla_activation_bytes(cfg: TransformerConfig, a: int, heads: float, tp: int =
             + heads * (3 * a * qk + a * v_kept + FP32 + a * v))
 
 
+def _kv_held(cfg: TransformerConfig, tp: int) -> float:
+    """KV heads on a tp rank: split over tp, or all of them replicated when fewer than tp."""
+    return cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+
+
 def gqa_activation_bytes(cfg: TransformerConfig, a: int, tp: int = 1, norm=None) -> float:
     """Bytes one token keeps for backward in a grouped-query attention core on a tp rank: q and
     k after RoPE (a h/tp, a kv hd), v (a kv hd), SDPA's output (a h/tp; ``o_proj`` saves a view of
@@ -52,7 +57,7 @@ def gqa_activation_bytes(cfg: TransformerConfig, a: int, tp: int = 1, norm=None)
     the product)."""
     hd, heads = cfg.head_dim, cfg.num_heads / tp
     kv_used = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else 1
-    kv_held = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+    kv_held = _kv_held(cfg, tp)
     qk_norm = cfg.qk_norm * (heads + kv_used) * norm(hd) if cfg.qk_norm else 0.0
     return 2 * a * heads * hd + a * (kv_used + kv_held) * hd + FP32 * heads + qk_norm
 
@@ -85,7 +90,7 @@ def cp_attention_extra(cfg: TransformerConfig, a: int, tp: int, cp: int, cp_comm
                     "p2p": (FP32 - a) * d}[cp_comm]
         return heads * per_head
     d = cfg.head_dim
-    kv = cfg.num_kv_heads / tp if cfg.num_kv_heads >= tp else cfg.num_kv_heads
+    kv = _kv_held(cfg, tp)
     copy = a * heads * d                                 # o_proj's own copy of the output
     repeated = math.lcm(int(kv), cp)                     # Ulysses' kv heads after repetition
     return copy + {"a2a": 2 * a * d * (repeated - kv), "allgather": 2 * a * kv * d * (cp - 1),
