@@ -7,7 +7,7 @@ This module names the arms, reads the runs' ``metrics.jsonl`` back and summarize
 them; it runs nothing itself.
 
 Per arm the summary holds the parameter counts and training FLOPs per token from the model's
-own formulas (``TransformerConfig.num_params``, ``training.hardware.train_flops_per_token``),
+own formulas (``TransformerConfig.num_params``, ``model.flops.train_flops_per_token``),
 the final eval loss over seeds as a mean and a min-max spread, the mean tokens/s, and for MoE
 arms the worst layer's max/mean expert load and the dropped fraction.
 """
@@ -23,13 +23,13 @@ matplotlib.use("Agg")                  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis import run_plots  # noqa: E402
-from training.hardware import train_flops_per_token  # noqa: E402
+from model.flops import train_flops_per_token  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 
 RECIPES = {"dense": "recipes/tiny_dense.yaml", "switch": "recipes/tiny_switch.yaml",
            "mixtral": "recipes/tiny_mixtral.yaml"}
 FIRST_SEED = 1234                      # the tiny recipes' train.seed; seed index i is 1234 + i
-ACTIVE_TOLERANCE = 0.01                # the tiny recipes' stated match (tests/training/test_recipe.py)
+ACTIVE_TOLERANCE = 0.01                # the tiny recipes' stated match (tests/training/config/test_recipe.py)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Switch scaling with the expert count, and expert placement over ep ranks
-(``benchmarks/switch_scaling.py``).
+(``benchmarks/studies/switch_scaling.py``).
 
 Two questions, each answered from runs' ``metrics.jsonl`` (this module runs nothing):
 

@@ -31,7 +31,7 @@ from planning.estimator import estimate, launch_command, plan, step_time  # noqa
 from planning.report import format_estimate, format_plan  # noqa: E402
 from planning.hardware import CLUSTERS, cluster  # noqa: E402
 from training.config.ds_config import load_ds_config  # noqa: E402
-from training.hardware import GPUS  # noqa: E402
+from training.gpus import GPUS  # noqa: E402
 from training.config.recipe import load_recipe  # noqa: E402
 
 

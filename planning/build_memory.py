@@ -14,7 +14,7 @@ divided by the ranks that share them, plus the largest layer drawn in fp32:
   ``deepspeed.initialize`` then moves it to the device (counted in the model states).
 
 Checked against the peak RSS of a 0.8B-parameter ZeRO-3 build on 2 gloo ranks
-(``tests/training/test_sharded_build.py``).
+(``tests/training/engine/test_sharded_build.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Communication of one micro-batch or step: the elements each parallel dimension moves (as
-``benchmarks/comm_volume.py`` counts them) and the seconds a ring collective or an all-to-all
+``benchmarks/systems/comm_volume.py`` counts them) and the seconds a ring collective or an all-to-all
 takes on a cluster (``planning/hardware.py``); ``planning/cost_model.py`` decides what is hidden.
 """
 
@@ -12,7 +12,7 @@ from planning.cost_layout import ACT_BYTES, Layout, Recompute, Shape
 from planning.hardware import Cluster
 
 # ---------------------------------------------------------------------------------------------
-# Communication volumes (elements, as benchmarks/comm_volume.py counts them: an all-reduce or
+# Communication volumes (elements, as benchmarks/systems/comm_volume.py counts them: an all-reduce or
 # reduce-scatter its full tensor per rank, an all-gather this rank's shard, an all-to-all what
 # a rank sends, off-rank rows included).
 
@@ -58,8 +58,8 @@ def tp_volumes(shape: Shape, layout: Layout, layers: range, head: bool = False,
     exponentials). ``embedding`` (None: when ``layers`` holds layer 0, as the first stage
     does): the vocab-parallel embedding's partial lookups summed forward, an all-reduce of T h
     (SP: a reduce-scatter of T h, and backward the all-gather of its grad's T h / tp shard).
-    These are the collectives ``benchmarks/comm_volume.py`` counts, element for element
-    (``tests/parallel/test_comm_volume.py``).
+    These are the collectives ``benchmarks/systems/comm_volume.py`` counts, element for element
+    (``tests/benchmarks/systems/test_comm_volume.py``).
     """
     out: dict[tuple, float] = {}
     if layout.tp == 1:
@@ -112,7 +112,7 @@ def ep_volumes(shape: Shape, layout: Layout, layers: range) -> dict[tuple, float
     expert FFNs between the exchanges). Balanced routing (times ``moe_imbalance``): what one
     rank's combine sends back depends on how many rows its experts received, but summed over
     the ep ranks each exchange moves exactly ep k T h elements when dropless (k rows for every
-    token), as ``benchmarks/comm_volume.py`` counts it."""
+    token), as ``benchmarks/systems/comm_volume.py`` counts it."""
     out: dict[tuple, float] = {}
     if layout.ep == 1 or not shape.experts:
         return out

@@ -81,7 +81,7 @@ class Shape:
         """Model FLOPs per token, the two MFU conventions: 6 x matmul weights + attention
         3 L s (w_qk + w_v) (causal: the mask halves the score and value products) or 6 L s
         (w_qk + w_v) (whole), w = heads x the query-key and value widths (6 L h s and 12 L h s when
-        they are the hidden size; ``training.hardware.train_flops_per_token``)."""
+        they are the hidden size; ``model.flops.train_flops_per_token``)."""
         width = self.heads * (self.head_dim + (self.v_head_dim or self.head_dim))   # w_qk + w_v
         return 6.0 * self.matmul_params_per_token() + (3.0 if causal else 6.0) * \
             (self.layers + self.mtp) * width * seq_len

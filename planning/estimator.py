@@ -30,10 +30,11 @@ from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
 from planning.buffers import buffer_bytes, optimizer_temporaries
 from planning.build_memory import build_bytes
-from training.config.ds_config import (check_layout, load_ds_config, replica_sync_mode, validate_ds_config)
+from training.config.ds_checks import validate_ds_config
+from training.config.ds_config import check_layout, load_ds_config, replica_sync_mode
 from planning.cost_model import Layout, Shape, step_cost
 from planning.hardware import Cluster, cluster
-from training.hardware import GPUS
+from training.gpus import GPUS
 from training.config.schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation

@@ -1,7 +1,7 @@
 """What the cost model knows about a GPU and a cluster: peaks from datasheets, and the fraction of
 each peak that kernels and NCCL reach, from public microbenchmarks.
 
-Peaks (dense bf16 TFLOP/s, HBM TB/s, memory) are ``training.hardware.GPUS`` (NVIDIA datasheets).
+Peaks (dense bf16 TFLOP/s, HBM TB/s, memory) are ``training.gpus.GPUS`` (NVIDIA datasheets).
 This module adds what a step-time model needs beyond them; every figure below names its source in
 the comment beside it, and ``docs/planning.md`` lists them with links. Nothing here is fitted to a
 published training run: ``benchmarks/planner_vs_published.py`` checks the model against those.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from training.hardware import GPUS, GPUSpec
+from training.gpus import GPUS, GPUSpec
 
 
 @dataclass(frozen=True)

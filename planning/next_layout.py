@@ -6,7 +6,7 @@ sequences over more ranks (context parallelism, same global batch), split the ma
 GPUs of the node (same global batch), move optimizer states to CPU memory. Each
 rung is applied on top of the ones before it when the estimator (``planning/estimator.py``)
 says it lowers this rank's memory, and is checked as the trainer would check it (recipe
-validation, ``Recipe.dims``, ``validate_ds_config``, ``ds_config.check_layout``); the walk stops
+validation, ``Recipe.dims``, ``ds_config.resolve_ds_config``); the walk stops
 at the first layout that fits. Recipe changes become ``--set`` overrides; DeepSpeed changes are
 applied to the user's JSON and written to ``<run-dir>/oom_next_ds_config.json``, which the
 command points at.
@@ -26,7 +26,6 @@ import torch
 from planning import memory_model as mm
 from planning.estimator import GB, estimate
 from training.config import ds_config
-from training.run import preflight
 from training.files import atomic_write
 from training.config.recipe import apply_overrides, recipe_from_dict
 
@@ -122,8 +121,7 @@ class _Builder:
                 node = node.setdefault(p, {})
             node[last] = value
         dims = recipe.dims(self.world)
-        resolved = preflight.resolve_ds_config(ds_config.validate_ds_config(ds, dims.dp), recipe)
-        ds_config.check_layout(resolved, dims)
+        resolved = ds_config.resolve_ds_config(ds, recipe, dims)
         states, transient = cost(estimate(recipe, resolved, self.world, self.gpus_per_node,
                                           self.gpu), self.device)
         return recipe, resolved, ds, states + transient * self.scale

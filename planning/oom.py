@@ -22,7 +22,7 @@ The report holds:
   buffers of DeepSpeed's ZeRO optimizer;
 - on a GPU, ``torch.cuda.memory._dump_snapshot`` (with the stack trace of every allocation when
   ``train.memory_snapshot`` switched the allocator's history on at start, see
-  ``training.hardware.record_memory_history``); drop the file on https://pytorch.org/memory_viz;
+  ``training.run.host.record_memory_history``); drop the file on https://pytorch.org/memory_viz;
 - the next layout to try (``planning/next_layout.py``): "fits" compares the estimate, with its
   activations and buffers scaled by how far the estimator fell short on this run (the allocator
   needed at least what it held plus the failed request), with the device's memory less
@@ -50,7 +50,7 @@ from planning import live_tensors
 from planning import memory_model as mm
 from planning.estimator import GB, RESERVE_FRACTION, estimate
 from planning.next_layout import atomic_write, cost, gpus_per_node, suggest
-from training.hardware import GPUS
+from training.gpus import GPUS
 from training.step.stepper import StepContext
 
 EXIT_CODE = 3

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed import free_port
+from training.run.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -203,7 +203,8 @@ def shared_launcher() -> WarmLauncher:
 
 def python(script: str, *args: str, timeout: int = 300, extra_env: dict | None = None,
            check: bool = False) -> subprocess.CompletedProcess:
-    """``python script args`` (a repository script, from the repository root) as a user runs it,
+    """``python script args`` (a repository script, from the repository root; ``python("-m",
+    "benchmarks.systems.comm_volume", ...)`` for a module) as a user runs it,
     on a process forked from the warm launcher's server (libraries imported once): its exit code,
     stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)`` returns them.
     For tools whose subject is what they compute and print, not which modules they import."""
@@ -250,13 +251,22 @@ def _run_rank(request: dict, rank: int, port: int, leader: int) -> None:
             sys.modules["numpy"].random.seed()
         if "runs" in request:
             os._exit(_run_many(request))
-        script = str(REPO / request["argv"][0])
-        sys.argv = [script, *request["argv"][1:]]
-        sys.path[0] = os.path.dirname(script)      # as ``python script`` sets it
+        argv = request["argv"]
+        if argv[0] == "-m":                        # ``python -m module``: the root on sys.path
+            module, script = argv[1], None
+            sys.argv = [module, *argv[2:]]
+            sys.path[0] = str(REPO)
+        else:
+            script = str(REPO / argv[0])
+            sys.argv = [script, *argv[1:]]
+            sys.path[0] = os.path.dirname(script)  # as ``python script`` sets it
     except BaseException:
         traceback.print_exc()
         os._exit(1)
-    runpy.run_path(script, run_name="__main__")
+    if script is None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
     sys.exit(0)
 
 

@@ -67,7 +67,7 @@ PATH_TOKEN = re.compile(r"`((?:model|training|planning|interop|launch|tests|benc
 RUN_READERS = {"launch/evaluate.py", "launch/convert_hf.py", "launch/analyze_router.py"}
 DOCUMENTED_RUN = "runs/tiny-mixtral"
 # Benchmarks that finish in seconds on 2 CPU cores: run whole, as written.
-QUICK_BENCHMARKS = {"benchmarks/comm_volume.py", "benchmarks/planner_vs_published.py"}
+QUICK_BENCHMARKS = {"benchmarks/systems/comm_volume.py", "benchmarks/planner_vs_published.py"}
 _PASSED: set[tuple] = set()          # commands already run whole in this session, as written
 
 

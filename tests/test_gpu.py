@@ -12,7 +12,7 @@ import torch
 
 from model import MixtralConfig, Transformer
 from model.moe.experts import _looped_mm, grouped_mm
-from tests.training.test_stability import _run
+from tests.training.step.test_stability import _run
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -76,7 +76,7 @@ def test_mixtral_bf16_training_tracks_fp32():
 
 def test_fp16_dynamic_loss_scaling_in_a_real_engine():
     """ds_configs/fp16.json (ZeRO-2, dynamic scale from 2^16, hysteresis 2) in a real engine
-    (``tests/training/_stability_run.py``): two clean steps, two steps whose activations are NaN,
+    (``tests/training/step/_stability_run.py``): two clean steps, two steps whose activations are NaN,
     two clean steps. The NaN steps are skipped with the weights unchanged; the first overflow
     spends the hysteresis, the second halves the scale; training then moves the weights again."""
     rows = _run("ds_configs/fp16.json", "log", "1,1,nan,nan,1,1")

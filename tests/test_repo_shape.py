@@ -82,7 +82,7 @@ PACKAGES = ("model", "data_pipeline", "training", "planning", "interop", "analys
 # training/'s sub-packages and leaf modules from the top floor down: each imports only its own
 # sub-package and the floors below it (the package docstring of training/ says the same).
 TRAINING_FLOORS = [{"run"}, {"step"}, {"engine", "config"}, {"checkpoint", "resilience", "data", "optim"},
-                   {"files", "hardware", "tracking"}]
+                   {"files", "gpus", "tracking"}]
 
 
 def _module_of(path: Path) -> str:

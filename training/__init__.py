@@ -16,7 +16,7 @@ Read from the top down; each sub-package imports only from those below it (and f
   data built at start-up (``build``).
 - ``optim/``: parameter groups, LAMB, lr scaling (``optimizers``) and lr schedules (``schedules``).
 - ``resilience/``: the step watchdog and lost ranks (``watchdog``), preemption signals.
-- Leaf modules: ``files`` (atomic writes, marker waits), ``hardware`` (GPU table, FLOPs),
+- Leaf modules: ``files`` (atomic writes, marker waits), ``gpus`` (the GPU table),
   ``tracking`` (metrics.jsonl, W&B, progress).
 
 ``tests/test_repo_shape.py`` checks the order and that no circle exists.

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from model.config import MoEConfig
+from model.moe.config import MoEConfig
 from model.moe import dispatcher, losses, node_exchange
 from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter

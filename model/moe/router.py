@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import MoEConfig
+from model.moe.config import MoEConfig
 from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import replicated

@@ -115,7 +115,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 # torch 2.13 renamed the flat-tensor collectives (``all_gather_into_tensor`` ->
 # ``all_gather_single``, ``reduce_scatter_tensor`` -> ``reduce_scatter_single``, the old names
 # now deprecated aliases); torch 2.9 has only the old ones. Looked up per call, so that a wrapper
-# around ``torch.distributed`` (benchmarks/comm_volume.py) sees them.
+# around ``torch.distributed`` (benchmarks/systems/comm_volume.py) sees them.
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
                    else "reduce_scatter_tensor")

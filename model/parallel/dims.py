@@ -13,8 +13,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from model.config import TransformerConfig, is_int
+from model.checks import is_int
+
+
+class ModelShape(Protocol):
+    """What the layout checks read of a model (``model.config.TransformerConfig`` has it all);
+    a protocol, so that ``model/parallel/`` needs nothing from the model above it."""
+
+    family: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    expert_ffn_size: int
+    moe: Any            # model.moe.config.MoEConfig, or None for a dense model
 
 
 @dataclass(frozen=True)
@@ -37,7 +52,7 @@ class ParallelDims:
     """Sequence parallelism over the tp ranks (``parallel.sequence_parallel``)."""
     world_size: int | None = None
     """Processes in the job; data parallelism takes what tp x ep x pp leaves."""
-    model: TransformerConfig | None = None
+    model: ModelShape | None = None
     """The model the degrees must divide."""
     seq_len: int | None = None
     """Tokens per sample, split over cp (2 x cp chunks) and then over tp under sequence parallelism."""
@@ -108,7 +123,7 @@ def _cp_problems(d: ParallelDims) -> list[str]:
     return out
 
 
-def _model_problems(m: TransformerConfig, tp: int, ep: int, pp: int) -> list[str]:
+def _model_problems(m: ModelShape, tp: int, ep: int, pp: int) -> list[str]:
     """What the degrees must divide in the model: heads, kv heads, FFN, vocabulary, experts;
     the pipeline needs a block per stage."""
     out = []

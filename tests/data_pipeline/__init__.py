@@ -42,5 +42,5 @@ def megatron_indexed():
             from megatron.core.datasets import indexed_dataset
     except ImportError as e:
         pytest.fail(f"megatron-core is needed as the reference ({e}); fix: "
-                    "pip install --no-deps megatron-core==0.16.1 (.ci/run installs it)")
+                    "pip install -r requirements.txt (it lists megatron-core)")
     return indexed_dataset

@@ -18,7 +18,7 @@ import pytest
 
 from data_pipeline import encoder as encoder_module
 from data_pipeline import prepare
-from data_pipeline.indexed import IndexedDataset, open_prepared
+from data_pipeline.indexed import open_prepared
 from data_pipeline.prepare import prepare_dataset
 from data_pipeline.readers import sample_texts
 from data_pipeline.sources import STDLIB, plan_shards, stdlib_files, unit_hash

@@ -161,13 +161,13 @@ def test_bad_input_is_not_restarted(tmp_path):
 
 
 def test_the_short_soak_survives_every_fault_and_loses_no_step(tmp_path):
-    """``benchmarks/fault_soak.py``, its short version: 3 random faults (seed 0) on DP2."""
+    """``benchmarks/reliability/fault_soak.py``, its short version: 3 random faults (seed 0) on DP2."""
     import subprocess
     import sys
 
     from tests.runs import REPO
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "benchmarks/fault_soak.py", "--layouts", "dp2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.reliability.fault_soak", "--layouts", "dp2",
                            "--faults", "3", "--seed", "0", "--work", str(tmp_path / "work"),
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=900)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.distributed import free_port
+from training.run.spawn import free_port
 from tests.runs import REPO, SMALL, STEPS, env
 
 LEAD_S = 90          # the job's --signal lead time: the ranks' grace

@@ -148,12 +148,12 @@ def test_a_bf16_run_on_a_cpu_without_native_bf16_warns_once_and_trains_in_bf16(z
     """The quick start's bf16 JSON: on a CPU without native bf16 one warning line naming
     ``ds_configs/zero3_fp32.json``, none on a CPU with it; the run trains in bf16 as asked. The
     fp32 runs print no such line."""
-    from training import hardware
+    from training.run import host
     run_dir = tmp_path / "bf16"
     warm.launch(run_dir, "ds_configs/zero3.json", nproc=1, steps=1)
     log = (tmp_path / "bf16.log").read_text()
     warnings = [line for line in log.splitlines() if "no native bf16" in line]
-    assert len(warnings) == (1 if hardware.cpu_has_native_bf16() is False else 0), log[-3000:]
+    assert len(warnings) == (1 if host.cpu_has_native_bf16() is False else 0), log[-3000:]
     assert all(w.startswith("warning: this CPU (") and "use ds_configs/zero3_fp32.json" in w for w in warnings)
     assert json.loads((run_dir / "config.json").read_text())["ds_config"]["bf16"]["enabled"] is True
     assert [r["step"] for r in rows(run_dir)] == [1]
@@ -259,7 +259,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, kill
         assert not list((ckpt / tag).glob("manifest.rank*")), tag
 
 
-FAULT_RUN = "tests/training/_save_fault_run.py"
+FAULT_RUN = "tests/training/checkpoint/_save_fault_run.py"
 
 
 def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(zero_runs, warm, tmp_path):

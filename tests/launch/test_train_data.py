@@ -7,7 +7,7 @@
   ``tokens_by_source``, and a run killed and resumed logs the uninterrupted run's rows.
 - Bad data is one ``error:`` line, exit code 2, and an existing run directory stays as it was.
 
-megatron-core (installed by ``.ci/run``) is the reference: imported here, never skipped.
+megatron-core (in requirements.txt) is the reference: imported here, never skipped.
 """
 
 from __future__ import annotations
@@ -73,12 +73,12 @@ def _sets(data, source) -> list[str]:
 def test_a_megatron_core_dataset_is_read_token_for_token(data):
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
 
-    from training.data import sources
+    from training.data import streams
     from training.config.recipe import load_recipe
     ref = MegatronDataset(data["megatron"], multimodal=False, mmap=True)
     assert len(ref) == len(data["docs"]) and all(np.array_equal(ref[i], d) for i, d in enumerate(data["docs"]))
     recipe = load_recipe(None, _sets(data, [data["megatron"]]))
-    train, _ = sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
+    train, _ = streams.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
     (source,) = train
     whole = np.concatenate([source.train.read(np.arange(source.train.num_tokens)),
                             source.val.read(np.arange(source.val.num_tokens))])
@@ -91,7 +91,7 @@ def test_a_megatron_core_dataset_is_read_token_for_token(data):
 
 def _order(warm, tmp: Path, name: str, nproc: int, sets: list[str], steps: int = 6) -> list[dict]:
     out = tmp / name
-    warm.script("tests/training/_data_order_run.py",
+    warm.script("tests/training/data/_data_order_run.py",
                 [str(out), str(steps), "--config", "ds_configs/zero1_fp32.json", "--run-dir",
                  str(tmp / f"run-{name}"), "--set", *sets], tmp / f"{name}.log", nproc=nproc)
     return [dict(np.load(f"{out}.rank{r}.npz")) for r in range(nproc)]
@@ -224,10 +224,10 @@ def test_val_source_holds_out_a_dataset_of_its_own(data):
     named dataset from its start; the validation windows are the same at any data-parallel size."""
     from data_pipeline.indexed import open_prepared
     from training.data import batches as data_lib
-    from training.data import sources
+    from training.data import streams
     from training.config.recipe import load_recipe
     recipe = load_recipe(None, _sets(data, [data["megatron"]]) + [f"data.val_source={json.dumps([data['ours']])}"])
-    train, val = sources.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
+    train, val = streams.open_sources(recipe.data, {}, recipe.model.vocab_size, None)
     mega, ours = open_prepared(data["megatron"]), open_prepared(data["ours"])
     assert train[0].train.num_tokens == sum(s.num_tokens for s in mega.shards) and train[0].val is None
     assert [v.name for v in val] == [data["ours"]] and val[0].train.num_tokens == sum(s.num_tokens for s in ours.shards)

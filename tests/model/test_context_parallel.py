@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from model import document_mask as dm
 from model.parallel import context as cpx
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 B, S, HD = 2, 32, 8

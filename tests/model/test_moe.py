@@ -423,7 +423,7 @@ def _ep2_host_syncs(rank, world):
 
 
 def test_moe_layer_forward_backward_host_syncs_ep2():
-    from tests.distributed import run_ranks
+    from training.run.spawn import run_ranks
     run_ranks(_ep2_host_syncs, 2)
 
 

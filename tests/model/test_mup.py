@@ -1,8 +1,7 @@
 """muP (``model/mup.py``): init std, attention scale, output multiplier, per-group lrs as the
 trainer builds them (and kept by every scheduler), muP off = the standard model, and the
-coordinate check's trend (``benchmarks/mup_coord_check.py``)."""
+coordinate check's trend (``benchmarks/studies/mup_coord_check.py``)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -156,10 +155,8 @@ def test_config_errors_name_the_field():
 
 
 def _coord_check_module():
-    spec = importlib.util.spec_from_file_location("mup_coord_check", REPO / "benchmarks" / "mup_coord_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks.studies import mup_coord_check
+    return mup_coord_check
 
 
 def test_coordinate_check_logits_grow_with_width_under_sp_and_stay_flat_under_mup():

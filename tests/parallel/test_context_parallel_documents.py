@@ -21,7 +21,7 @@ import torch
 from model import Transformer
 from model.parallel.cp_layout import gather_from_cp
 from model.parallel.groups import build_groups
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 from tests.model.test_document_masking import TOL, alone, configs, packed_window
 
 MODES = {2: ("a2a", "allgather", "p2p"), 4: ("allgather", "p2p")}

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from model.config import MoEConfig
 from model.moe.layer import MoELayer
 from model.parallel import comm
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 
 H, I = 64, 96
 BOUND = {"bf16": 1e-2, "fp8": 6e-2}

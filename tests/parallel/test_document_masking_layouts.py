@@ -26,7 +26,7 @@ import torch
 from model import Transformer
 from model.parallel.groups import build_groups
 from model.parallel.layers import take_shard
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 from tests.model.test_document_masking import TOL, alone, configs, packed_window
 
 

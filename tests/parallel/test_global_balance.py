@@ -18,7 +18,7 @@ import torch.distributed as dist
 from model.config import MoEConfig
 from model.moe.layer import MoELayer, load_balancing_losses, start_balance_step
 from model.parallel.groups import ParallelGroups
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 
 H, I = 16, 32
 

@@ -1,4 +1,4 @@
-"""PowerSGD (``model/parallel/grad_compression.py``) on 2 gloo ranks, every check in one spawn.
+"""PowerSGD (``model/parallel/powersgd.py``) on 2 gloo ranks, every check in one spawn.
 
 * The uncompressed start is the exact mean; the bytes ``reduce`` reports are the bytes handed to
   ``torch.distributed.all_reduce`` (counted by a wrapper), r (n + m) per matrix afterwards.
@@ -18,8 +18,8 @@
 import torch
 import torch.distributed as dist
 
-from model.parallel.grad_compression import PowerSGD, matrix_view
-from tests.distributed import run_ranks
+from model.parallel.powersgd import PowerSGD, matrix_view
+from training.run.spawn import run_ranks
 
 
 def _param(shape, gen):

@@ -19,7 +19,7 @@ from model import MixtralConfig, Transformer
 from model.config import MoEConfig
 from model.moe import dispatcher
 from model.parallel.groups import build_groups
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 
 H, K, E, LAYERS = 32, 2, 8, 2
 SIZES = dict(vocab_size=64, hidden_size=H, num_layers=LAYERS, num_heads=4, num_kv_heads=2,

@@ -21,7 +21,7 @@ from model import MixtralConfig, Transformer
 from model.config import MoEConfig
 from model.parallel.groups import build_groups
 from model.parallel.weight_grad import STORE
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 
 SIZES = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
              ffn_hidden_size=48, max_seq_len=16, init_std=0.2, tie_embeddings=False)

@@ -84,7 +84,8 @@ def main(out_path: str) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from training.config.ds_config import load_ds_config, validate_ds_config
+    from training.config.ds_checks import validate_ds_config
+    from training.config.ds_config import load_ds_config
     from training.config.recipe import load_recipe
     from model import Transformer
 

@@ -1,6 +1,6 @@
 """The memory of building the model (planning/build_memory.py) and the planner's refusal of a
 layout whose build does not fit. Closed forms written out here; the measured counterpart (peak
-RSS of a 0.8B ZeRO-3 build on 2 ranks) is tests/training/test_sharded_build.py."""
+RSS of a 0.8B ZeRO-3 build on 2 ranks) is tests/training/engine/test_sharded_build.py."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ node; A100: 312 TFLOP/s) and the cost model's constants (a sustained clock of 13
 k = 13312), not from the functions' own output; the assembled step is checked against its parts.
 Cross-checks: the pipeline model against ``benchmarks/pipeline_schedules.py``'s and against a
 discrete-event run of DeepSpeed's own 1F1B instruction streams; ``Shape.flops_per_token``
-against ``training.hardware.train_flops_per_token``. The exact TP/EP volumes against the
-counted collectives are in ``tests/parallel/test_comm_volume.py``.
+against ``model.flops.train_flops_per_token``. The exact TP/EP volumes against the
+counted collectives are in ``tests/benchmarks/systems/test_comm_volume.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from planning import cost_model as cm
 from planning.hardware import DEVICES, cluster
-from training.hardware import train_flops_per_token
+from model.flops import train_flops_per_token
 from training.config.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -336,7 +336,7 @@ def test_pipeline_prices_the_schedule():
 def test_pipeline_equals_the_schedule_benchmarks_model(work, m):
     # imported here: benchmarks/pipeline_schedules.py imports deepspeed (seconds), which only this
     # file's worker then pays for
-    from benchmarks.pipeline_schedules import schedule_model_step
+    from benchmarks.systems.pipeline_schedules import schedule_model_step
     # stage times exact in binary, so the two orders of summation agree to the bit
     assert cm.pipeline_seconds(work, m) == schedule_model_step(work, m)
     if work == [3.0, 5.0, 2.0, 4.5] and m == 3:

@@ -27,7 +27,7 @@ from planning.cost_comm import cp_seconds, cp_volumes
 from planning.cost_layout import Layout, Shape
 from planning.hardware import cluster
 from planning.measured import saved_activation_bytes
-from tests.distributed import run_ranks
+from training.run.spawn import run_ranks
 from training.config.recipe import load_recipe
 
 SEQ = 256
@@ -147,12 +147,12 @@ def test_cp_divides_the_activations_and_the_ring_hides_behind_attention():
 
 
 def test_comm_volume_prints_the_cp_exchange_table():
-    """``benchmarks/comm_volume.py``'s context-parallel table: with full multi-head attention at
+    """``benchmarks/systems/comm_volume.py``'s context-parallel table: with full multi-head attention at
     CP2 the all-to-all and the all-gather send the same bytes (4 h per token each: q, k, v and the
     output at half, against K and V whole once each way), the ring twice that; from CP4 Ulysses
     sends the least; under Mixtral's GQA (4 query heads per kv head) the all-gather sends less up
     to CP4."""
-    from benchmarks import comm_volume as cv
+    from benchmarks.systems import comm_volume as cv
     rows = [line.strip("| ").split(" | ") for line in cv.cp_comparison().splitlines()
             if line.startswith("| ") and line[2].isalpha() and not line.startswith("| model")]
     table = {(r[0], int(r[2])): [float(x) for x in r[3:6]] for r in rows}
@@ -164,11 +164,11 @@ def test_comm_volume_prints_the_cp_exchange_table():
 
 
 def test_the_cp_memory_benchmarks_run_short(tmp_path):
-    """``benchmarks/context_parallel_memory.py`` (one attention layer) and
+    """``benchmarks/systems/context_parallel_memory.py`` (one attention layer) and
     ``context_parallel_model_memory.py`` (the whole model beside the estimator) at 256 tokens, CP1
     and CP2: the rows they print and write, not their figures at 16K (docs/PERFORMANCE.md)."""
     import json
-    from benchmarks import context_parallel_memory, context_parallel_model_memory
+    from benchmarks.systems import context_parallel_memory, context_parallel_model_memory
     assert context_parallel_memory.main(["--seq", "256", "--cps", "1,2", "--json", str(tmp_path / "a.json")]) == 0
     rows = json.loads((tmp_path / "a.json").read_text())["rows"]
     assert [(r["cp"], r["mode"]) for r in rows] == [(1, "-"), (2, "a2a"), (2, "allgather"), (2, "p2p")]

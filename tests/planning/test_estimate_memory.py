@@ -28,7 +28,7 @@ import torch
 from planning.measured import saved_activation_bytes
 
 from launch import estimate_memory
-from tests.distributed import free_port
+from training.run.spawn import free_port
 from planning import estimator as em
 from planning import report
 from planning import memory_model as mm
@@ -199,7 +199,7 @@ def test_tensor_and_sequence_parallel_activation_bytes_match_saved_tensors(tmp_p
     replicated and an fp32 router keeps the gathered input; within 0.5% (the tensor-by-tensor
     model misses only small per-layer scalars: 0.15-0.26% measured; the router's tensors and the
     dispatched rows are counted whole on every tp rank, not split by tp)."""
-    from tests.distributed import run_ranks
+    from training.run.spawn import run_ranks
     out = tmp_path / "saved.json"
     run_ranks(_tp2_saved_bytes, 2, str(out))
     rows = json.loads(out.read_text())

@@ -177,8 +177,10 @@ def test_ladder_on_eight_gpus(tmp_path, monkeypatch):
 
 
 def ds_config_for(path: str, recipe, dp: int) -> dict:
-    ds = ds_config.validate_ds_config(ds_config.load_ds_config(path), dp)
-    return preflight.resolve_ds_config(ds, recipe)
+    par = recipe.parallel
+    world = dp * par.tensor_parallel_size * par.expert_parallel_size * par.pipeline_parallel_size \
+        * par.context_parallel_size
+    return ds_config.resolve_ds_config(ds_config.load_ds_config(path), recipe, recipe.dims(world))
 
 
 def test_out_of_memory_is_recognized_and_other_errors_are_not(monkeypatch, tmp_path):

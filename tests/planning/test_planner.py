@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import planner_vs_published as pvp
+from benchmarks.peers import planner_vs_published as pvp
 from launch import estimate_memory
 from planning.cost_model import Shape
 

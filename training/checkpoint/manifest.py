@@ -15,7 +15,7 @@ truncated, zeroed or bit-flipped files, not deliberate tampering. Measured on on
 2-core CPU test machine (Python 3.11, zlib 1.2.13): 3.9 GiB/s on 64 MiB in memory, against
 1.8 GiB/s for SHA-1, 1.7 GiB/s for SHA-256 and 0.7 GiB/s for MD5; ``checksum`` on a 256 MiB
 file in the page cache, 2.5-3.2 GiB/s
-(``python -m pytest -q -s -kthroughput tests/training/test_manifest.py``).
+(``python -m pytest -q -s -kthroughput tests/training/checkpoint/test_manifest.py``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ ranks' shares and ``manifest.json`` through ``files.atomic_write`` (the file, th
 its directory), the tag folder's entries before ``manifest.json`` and the checkpoint directory's
 before ``latest`` moves. Pruning runs only after that, so a power or node crash leaves either
 the previous checkpoint as ``latest`` or the new one whole, never a pruned old one and a lost new
-one (``tests/training/test_durability.py``).
+one (``tests/training/checkpoint/test_durability.py``).
 
 A save fails when a rank cannot write its part (a full disk, a permission, an I/O error): the
 ranks agree on it in one all-reduce, the one rank prints why, ``latest`` keeps naming the

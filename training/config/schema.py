@@ -20,7 +20,7 @@ from typing import Any, Literal
 from model.checkpointing import CheckpointPolicy
 from model.config import TransformerConfig, check_int
 from model.parallel.dims import ParallelDims
-from training.data.sources import parse_sources
+from training.data.streams import parse_sources
 
 # Byte-level BPE needs its 256 byte symbols plus the end-of-text token (data_pipeline/tokenizer.py).
 _MIN_BPE_VOCAB = 258
@@ -92,7 +92,7 @@ class ParallelConfig:
 class DataConfig:
     """Where the training text comes from and how it is cut into samples.
 
-    ``train_specs`` and ``val_specs`` (``SourceSpec`` tuples, ``training/data/sources.py``): the
+    ``train_specs`` and ``val_specs`` (``SourceSpec`` tuples, ``training/data/streams.py``): the
     ``source`` and ``val_source`` entries with their blend weights, parsed once at validation.
     """
 

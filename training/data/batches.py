@@ -2,7 +2,7 @@
 
 Nothing here downloads, imports DeepSpeed or calls torch.distributed: ranks and sizes come in as
 ints. Which window each sample is, is ``data_pipeline/sampling.py`` (a pure function of the
-sample's position); the sources and their streams are ``training/data/sources.py``.
+sample's position); the sources and their streams are ``training/data/streams.py``.
 
 Packing: a dataset's stream is cut into windows of ``seq_len + 1`` tokens that overlap by one
 token, window i = tokens[i*seq_len : (i+1)*seq_len + 1], inputs = window[:-1], labels =

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from data_pipeline.tokenizer import load_local_tokenizer, load_tokenizer, tokenizer_fingerprint
-from training.data import batches, sources
+from training.data import batches, streams
 from training.files import CACHE_DIR
 
 def build_tokenizer(recipe, init_from: Path | None, ctx):
@@ -26,15 +26,15 @@ def build_tokenizer(recipe, init_from: Path | None, ctx):
     path = recipe.tokenizer.path
     if init_from is not None and path is None and (init_from / "tokenizer").is_dir():
         path = str(init_from / "tokenizer")
-    if path is None and not sources.raw_entries(recipe.data.train_specs):
-        path = sources.prepared_tokenizer_path(recipe.data.train_specs)
+    if path is None and not streams.raw_entries(recipe.data.train_specs):
+        path = streams.prepared_tokenizer_path(recipe.data.train_specs)
     if path is not None:
         tokenizer = load_local_tokenizer(path)
     else:
         budget = recipe.tokenizer.train_bytes
         with ctx.rank0_first("tokenizer") as handoff:     # the others load the folder rank 0 names
             if handoff.value is None:
-                tokenizer = load_tokenizer(None, sources.training_sample(recipe.data, budget),
+                tokenizer = load_tokenizer(None, streams.training_sample(recipe.data, budget),
                                            recipe.tokenizer_vocab_size, CACHE_DIR, max_train_bytes=budget)
                 handoff.value = tokenizer.name_or_path
             else:
@@ -53,18 +53,18 @@ def build_data(recipe, ds: dict, tokenizer, dp_size: int, ctx):
     workers = 1 if small else max(1, min(8, os.cpu_count() or 1))    # a worker's start costs seconds
     with ctx.rank0_first("prepare data") as handoff:  # the others open what rank 0 prepared
         if handoff.value is None:
-            handoff.value = sources.prepare_raw(recipe.data, tokenizer, CACHE_DIR, workers,
+            handoff.value = streams.prepare_raw(recipe.data, tokenizer, CACHE_DIR, workers,
                                                 progress=ctx.rank == 0)
     prepared = handoff.value
     ctx.end_startup()
-    train, val = sources.open_sources(recipe.data, prepared, recipe.model.vocab_size,
+    train, val = streams.open_sources(recipe.data, prepared, recipe.model.vocab_size,
                                           tokenizer_fingerprint(tokenizer))
     seq_len, micro = recipe.seq_len, ds["train_micro_batch_size_per_gpu"]
     layout = batches.BatchLayout(ds["train_batch_size"], micro, dp_size, ctx.groups.dp_rank)
     sampler = batches.BlendedSampler([s.train for s in train], [s.name for s in train],
-                                      sources.blend_weights(train), seq_len, layout, recipe.train.seed)
+                                      streams.blend_weights(train), seq_len, layout, recipe.train.seed)
     held = val if val is not None else train
     windows = batches.blended_validation_windows(
-        [s.train if val is not None else s.val for s in held], sources.blend_weights(held),
+        [s.train if val is not None else s.val for s in held], streams.blend_weights(held),
         seq_len, recipe.eval.batches * micro * dp_size)
     return sampler, batches.validation_batches(windows, layout)

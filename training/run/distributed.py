@@ -27,7 +27,8 @@ from model.parallel import comm
 from model.parallel.groups import ParallelGroups, build_groups, check_node_size
 from training.config.schema import Recipe
 from training.files import CACHE_DIR, atomic_write, record_exit_code, wait_for_file
-from training.hardware import detect_gpu, train_flops_per_token
+from model.flops import train_flops_per_token
+from training.gpus import detect_gpu
 from training.resilience.watchdog import startup_allowance
 
 # Process groups.
@@ -48,7 +49,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     groups: ParallelGroups = None  # tp/ep/cp/dp/batch groups (model.parallel.groups)
-    gpu: object = None             # training.hardware.GPUSpec when on a known GPU
+    gpu: object = None             # training.gpus.GPUSpec when on a known GPU
     launch_id: int = 0             # the same on every rank of one launch, new at every launch
     timeout_s: float = 7200.0      # the longest a rank waits for rank 0's start-up work (a file)
 

@@ -1,7 +1,7 @@
 """Everything the trainer checks before any process group exists or any file is written.
 
 ``prepare`` validates the command line, the recipe and the DeepSpeed JSON (the layout against
-the world size: ``Recipe.dims`` and ``ds_config.check_layout``), the backend and precision
+the world size: ``Recipe.dims``, and ``ds_config.resolve_ds_config``), the backend and precision
 against the machine, the data sources, ``--init-from`` and the run directory, and returns the
 ``Plan`` the run follows. Each refusal is a ValueError with one line naming the field and the
 fix; ``launch/train.py`` prints it and exits 2 with the run directory untouched.
@@ -21,10 +21,8 @@ from data_pipeline.tokenizer import load_local_tokenizer
 from training.checkpoint.layout import candidates, read_run_config
 from training.config import ds_config
 from training.config.recipe import Recipe, apply_overrides, load_recipe
-from training.data import sources
-from training.optim import optimizers, schedules
+from training.data import streams
 from training.run.distributed import exchange_node_size
-from training.step.grad_compression import apply_grad_compression
 
 
 @dataclass
@@ -55,10 +53,7 @@ def prepare(args: argparse.Namespace, outputs: bool = True) -> Plan:
     dims = recipe.dims(world_size)                     # the layout against the world size
     dp_size = dims.dp
     ds = apply_overrides(ds_config.load_ds_config(args.config), ds_sets, "DeepSpeed key", "ds.")
-    ds = ds_config.validate_ds_config(ds, dp_size)
-    ds = resolve_ds_config(ds, recipe)
-    ds_config.check_layout(ds, dims)
-    ds = apply_grad_compression(ds, recipe.parallel.grad_compression, dims)
+    ds = ds_config.resolve_ds_config(ds, recipe, dims)
     exchange_node_size(recipe)                         # the hierarchical exchange's nodes
     check_backend(recipe)
     check_precision(ds, args.config)
@@ -77,16 +72,6 @@ def plan_for(config: str, recipe: str | None = None, sets=(), steps: int | None 
     steps``, for the benchmarks and tests that drive the trainer's step in their own process."""
     return prepare(argparse.Namespace(config=str(config), recipe=recipe, run_dir=None, steps=steps,
                                       set=list(sets), init_from=None), outputs)
-
-
-def resolve_ds_config(ds: dict, recipe: Recipe) -> dict:
-    """Apply the JSON's optional lr scaling and fill its "auto" scheduler values from the run
-    length, so that a bad schedule fails now and config.json records what actually runs."""
-    ds = schedules.resolve_auto(optimizers.apply_lr_scaling(ds), recipe.train.steps)
-    _, ours = schedules.split_scheduler(ds)
-    if ours is not None:
-        schedules.lr_multiplier(ours, recipe.train.steps)      # validates our schedule's params
-    return ds
 
 
 def check_backend(recipe: Recipe) -> None:
@@ -130,7 +115,7 @@ def check_data_source(recipe: Recipe) -> None:
     """Every ``data.source`` / ``data.val_source`` entry opens or exists, and ``tokenizer.path``
     is a tokenizer, so that bad data fails before anything is written."""
     tokenizer = load_local_tokenizer(recipe.tokenizer.path) if recipe.tokenizer.path else None
-    sources.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
+    streams.check_entries(recipe.data, recipe.model.vocab_size, tokenizer)
 
 
 def check_init_from(init_from: str | None, recipe: Recipe) -> Path | None:

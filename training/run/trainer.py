@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from training import files, hardware
+from training import files
 from training.checkpoint import resume
 from training.checkpoint.layout import latest_tag, tag_for_step
 from training.checkpoint.saving import SAVE_FAILED, Saver
@@ -31,7 +31,7 @@ from training.checkpoint.state import TrainState
 from training.data.build import build_data, build_tokenizer
 from training.engine.build import build_engine, build_model
 from training.resilience import preemption, watchdog
-from training.run import distributed, outputs
+from training.run import distributed, host, outputs
 from training.run.preflight import Plan, prepare
 from training.step.grad_compression import build_compressor
 from training.step.history import StepHistory
@@ -99,7 +99,7 @@ class Run:
                               str((self.plan.run_dir / watchdog.HANG / "fr_trace_rank_").absolute()))
         self.created_group = not torch.distributed.is_initialized()
         self.ctx = self.where.dist = distributed.init_distributed(recipe)
-        hardware.record_memory_history(recipe.train.memory_snapshot, self.ctx.device)   # GPU, when asked
+        host.record_memory_history(recipe.train.memory_snapshot, self.ctx.device)   # GPU, when asked
         return self.ctx
 
     def build_data(self) -> None:
@@ -136,7 +136,7 @@ class Run:
         plan, recipe, where = self.plan, self.plan.recipe, self.where
         ctx = self.join_job()
         rank0 = ctx.rank == 0
-        if rank0 and (warning := hardware.cpu_bf16_warning(plan.ds, plan.config_path, ctx.device)):
+        if rank0 and (warning := host.cpu_bf16_warning(plan.ds, plan.config_path, ctx.device)):
             print(warning, file=sys.stderr, flush=True)
         self.build_data()
         self.build_model(self.tokenizer.eos_token_id)

@@ -4,7 +4,7 @@
 the step's last backward and before the optimizer step, summed over the ranks so that every
 tensor-, expert-, pipeline- and ZeRO-sharded piece is counted once, as DeepSpeed counts it for
 the global ``grad_norm``: the square root of the vector's sum is that norm, and the test checks
-it at every ZeRO stage and layout (``tests/training/test_layer_grad_norms.py``). The vector stays
+it at every ZeRO stage and layout (``tests/training/step/test_layer_grad_norms.py``). The vector stays
 on the device; the stepper reads it to the host together with the global norm it already reads
 (one ``.tolist()`` of both, no extra host sync; ``training/step/stepper.py``).
 

@@ -1,0 +1,34 @@
+"""Run by test_startup.py on every rank: ``launch.train.main(argv)`` with rank 0's tokenizer
+build delayed by ``SLOW_RANK0_S`` seconds (env), as a large corpus would delay it; on the other
+ranks, sampling the corpus for the tokenizer and planning the data's preparation raise (rank 0
+hands them its results)."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from launch import train  # noqa: E402
+from training.data import build  # noqa: E402
+
+load_tokenizer = build.load_tokenizer
+
+
+def slow_on_rank0(*args, **kwargs):
+    if os.environ.get("RANK") == "0":
+        time.sleep(float(os.environ["SLOW_RANK0_S"]))
+    return load_tokenizer(*args, **kwargs)
+
+
+def not_here(*args, **kwargs):
+    raise AssertionError(f"rank {os.environ.get('RANK')} redid rank 0's start-up work")
+
+
+build.load_tokenizer = slow_on_rank0
+if os.environ.get("RANK") != "0":
+    build.sources.training_sample = build.sources.prepare_raw = not_here
+
+if __name__ == "__main__":
+    sys.exit(train.main(sys.argv[1:]))

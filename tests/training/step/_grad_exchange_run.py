@@ -1,0 +1,86 @@
+"""Run by test_grad_compression_run.py on every rank: ``launch.train.main(argv)`` with each
+optimizer step (``Stepper.train_step``) counting the bytes handed to
+``torch.distributed.all_reduce``, by who hands them: ``deepspeed`` (its data-parallel all-reduce
+and its scalars), ``powersgd`` (``model/parallel/powersgd.py``) or ``trainer`` (the step's
+statistics and flags). It also records a fingerprint of the PowerSGD state after each step and,
+with ``NAN_STEP`` set, makes that step's loss NaN (the final norm's output times NaN), so that the
+step is skipped. Writes ``{step: {"bytes": {...}, "state": fingerprint}}`` to
+``$EXCHANGE_OUT.<rank>.json``.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+from launch import train  # noqa: E402
+from training.step import stepper  # noqa: E402
+
+COMPRESSOR = os.path.join("model", "parallel", "powersgd.py")
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}deepspeed{os.sep}" in name:
+            return "deepspeed"
+        if name.endswith(COMPRESSOR):
+            return "powersgd"
+        frame = frame.f_back
+    return "trainer"
+
+
+sent: Counter | None = None
+all_reduce = dist.all_reduce
+
+
+def counted_all_reduce(tensor, *args, **kwargs):
+    if sent is not None:
+        sent[_caller()] += tensor.numel() * tensor.element_size()
+    return all_reduce(tensor, *args, **kwargs)
+
+
+def fingerprint(compressor) -> str | None:
+    if compressor is None:
+        return None
+    state = compressor.state_dict()
+    digest = hashlib.sha256(str(state["reductions"]).encode())
+    for t in (state["q"] or []) + (state["errors"] or []):
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+records: dict[int, dict] = {}
+train_step = stepper.Stepper.train_step
+NAN_STEP = int(os.environ.get("NAN_STEP", "0"))
+scale = {"value": 1.0}
+
+
+def counted_train_step(self, step, batches):
+    global sent
+    if not hasattr(self, "_nan_hook"):
+        self._nan_hook = self.model.norm.register_forward_hook(lambda m, i, out: out * scale["value"])
+    scale["value"] = float("nan") if step == NAN_STEP else 1.0
+    sent = Counter()
+    try:
+        out = train_step(self, step, batches)
+    finally:
+        records[step] = {"bytes": dict(sent), "state": fingerprint(self.compressor)}
+        sent = None
+    Path(f"{os.environ['EXCHANGE_OUT']}.{os.environ.get('RANK', '0')}.json").write_text(json.dumps(records))
+    return out
+
+
+dist.all_reduce = counted_all_reduce
+stepper.Stepper.train_step = counted_train_step
+
+if __name__ == "__main__":
+    sys.exit(train.main(sys.argv[1:]))

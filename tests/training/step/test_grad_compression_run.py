@@ -1,0 +1,168 @@
+"""``parallel.grad_compression`` in the trainer, 2 ranks at dp2, fp32 ZeRO-0 (what PowerSGD was
+made for), tiny Mixtral and tiny dense; the bytes of every all-reduce of a step counted by
+``_grad_exchange_run.py`` around ``launch/train.py`` (it changes no value).
+
+* PowerSGD at rank 4 hands the all-reduces at most 1/8 of the bytes of its uncompressed start
+  (which equals DeepSpeed's own exchange without compression, within its few scalars), and
+  DeepSpeed exchanges no gradient; the metrics' ``grad_exchange_bytes`` is the counted figure.
+* ``bf16`` halves DeepSpeed's bytes, and its losses stay within 1e-3 of fp32's over 4 steps
+  (bf16 keeps 8 bits of mantissa: a relative error of 2^-9 per gradient element).
+* A step made non-finite (NaN) is skipped and leaves PowerSGD's state (Q, errors, count) as it
+  was; the next step trains on.
+* Resuming from a checkpoint (copy of the run, the later checkpoint removed, as after a crash)
+  continues bitwise: the same losses, norms, bytes and PowerSGD state as the uninterrupted run.
+* Under EP2 x DP2 (4 ranks) PowerSGD's own reduction equals DeepSpeed's step for step in its
+  uncompressed start (each expert averaged over its own replicas), and compresses after it.
+* Each setting that cannot apply is refused before the start in one line naming the key (the
+  communication keys of ``parallel``: compression, shared-expert overlap, hierarchical exchange).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.runs import SMALL, ds_variant, rows
+from training.run.preflight import plan_for
+
+SCRIPT = "tests/training/step/_grad_exchange_run.py"
+POWERSGD = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=4",
+            "parallel.powersgd_start_steps=2"]
+SCALARS = 64          # bytes of DeepSpeed's scalar all-reduces in a step (norms, flags), at most
+
+
+@pytest.fixture(scope="module")
+def runs(warm_launcher, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("exchange")
+    warm = warm_launcher
+    config = ds_variant(tmp, "zero0_fp32", train_micro_batch_size_per_gpu=4)
+    common = ["eval.every=0"]
+    for name, extra, steps, env in (("none", [], 4, {}),
+                                    ("bf16", ["parallel.grad_compression=bf16"], 4, {}),
+                                    ("powersgd", POWERSGD + ["train.save_every=3"], 6, {"NAN_STEP": "5"})):
+        warm.launch(tmp / name, config, steps=steps, script=SCRIPT, extra=common + extra,
+                    extra_env={"EXCHANGE_OUT": str(tmp / f"{name}-bytes"), **env})
+    dense = [s for s in SMALL if not s.startswith("model.moe.")]
+    warm.script(SCRIPT, ["--config", config, "--recipe", "recipes/tiny_dense.yaml", "--run-dir",
+                         str(tmp / "dense"), "--steps", "4", "--set", *dense, *common, *POWERSGD],
+                tmp / "dense.log", extra_env={"EXCHANGE_OUT": str(tmp / "dense-bytes")})
+    # As after a crash at step 5: the checkpoint of step 3 is the latest; the same command resumes.
+    shutil.copytree(tmp / "powersgd", tmp / "resumed")
+    shutil.rmtree(tmp / "resumed" / "checkpoints" / "step00000006")
+    (tmp / "resumed" / "checkpoints" / "latest").write_text("step00000003")
+    (tmp / "resumed" / "metrics.jsonl").write_text("")
+    warm.launch(tmp / "resumed", config, steps=6, script=SCRIPT, extra=common + POWERSGD + ["train.save_every=3"],
+                extra_env={"EXCHANGE_OUT": str(tmp / "resumed-bytes"), "NAN_STEP": "5"})
+    return tmp
+
+
+def _bytes(runs: Path, name: str, rank: int = 0) -> dict[int, dict]:
+    return {int(k): v for k, v in json.loads((runs / f"{name}-bytes.{rank}.json").read_text()).items()}
+
+
+@pytest.mark.parametrize("name", ["powersgd", "dense"])
+def test_powersgd_sends_at_most_an_eighth(runs, name):
+    counted, logged = _bytes(runs, name), {r["step"]: r for r in rows(runs / name)}
+    start = [counted[s]["bytes"]["powersgd"] for s in (1, 2)]
+    compressed = [counted[s]["bytes"]["powersgd"] for s in (3, 4)]
+    print(name, "uncompressed", start, "compressed", compressed)
+    assert start[0] == start[1] and compressed[0] == compressed[1]
+    assert compressed[0] * 8 <= start[0], (compressed, start)
+    for step in (1, 2, 3, 4):
+        assert logged[step]["grad_exchange_bytes"] == counted[step]["bytes"]["powersgd"]
+        assert counted[step]["bytes"].get("deepspeed", 0) <= SCALARS    # no gradient from DeepSpeed
+    if name == "powersgd":
+        deepspeed = _bytes(runs, "none")[2]["bytes"]["deepspeed"]
+        assert start[0] <= deepspeed <= start[0] + SCALARS, (start, deepspeed)
+
+
+def test_bf16_halves_the_exchange_and_tracks_fp32(runs):
+    fp32, bf16 = _bytes(runs, "none")[2]["bytes"]["deepspeed"], _bytes(runs, "bf16")[2]["bytes"]["deepspeed"]
+    assert abs(bf16 - fp32 / 2) <= SCALARS, (fp32, bf16)
+    config = json.loads((runs / "bf16" / "config.json").read_text())
+    assert config["ds_config"]["communication_data_type"] == "bf16"
+    for a, b in zip(rows(runs / "none"), rows(runs / "bf16")):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3, (a, b)
+
+
+def test_a_skipped_step_leaves_powersgd_alone(runs):
+    logged = {r["step"]: r for r in rows(runs / "powersgd")}
+    assert logged[5]["skipped"] == "non-finite loss" and logged[5]["grad_exchange_bytes"] == 0
+    for rank in range(2):
+        counted = _bytes(runs, "powersgd", rank)
+        assert counted[5]["state"] == counted[4]["state"] != counted[3]["state"]
+        assert counted[5]["bytes"].get("powersgd", 0) == 0
+        assert counted[6]["state"] != counted[5]["state"]
+    assert "skipped" not in logged[6] and logged[6]["loss"] < 20
+
+
+def test_resume_continues_bitwise(runs):
+    full, resumed = rows(runs / "powersgd"), rows(runs / "resumed")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    keys = ("loss", "grad_norm", "grad_exchange_bytes", "skipped")
+    assert [{k: r.get(k) for k in keys} for r in resumed] == [{k: r.get(k) for k in keys} for r in full[3:]]
+    for rank in range(2):
+        a, b = _bytes(runs, "powersgd", rank), _bytes(runs, "resumed", rank)
+        assert [a[s]["state"] for s in (4, 5, 6)] == [b[s]["state"] for s in (4, 5, 6)]
+
+
+@pytest.mark.parametrize("world, config, sets, message", [
+    (2, "zero1_fp32", ["parallel.grad_compression=powersgd"], "runs at ZeRO-0 in fp32 without pipeline stages"),
+    (2, "zero0", ["parallel.grad_compression=powersgd"], "not at bf16/fp16"),
+    (4, "zero0_fp32", ["parallel.grad_compression=powersgd", "parallel.pipeline_parallel_size=2"],
+     "not at pipeline_parallel_size 2"),
+    (1, "zero0_fp32", ["parallel.grad_compression=powersgd"], "one data-parallel rank"),
+    (2, "zero3", ["parallel.grad_compression=bf16"], "not at ZeRO-3"),
+    (2, "zero2", ["parallel.grad_compression=bf16", "ds.communication_data_type=fp32"],
+     "ds_config.communication_data_type ('fp32') both set the exchange"),
+    (2, "zero0_fp32", ["parallel.powersgd_rank=8"], "parallel.powersgd_rank (8) is set but parallel.grad_compression is none"),
+    (2, "zero0_fp32", ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"],
+     "parallel.powersgd_rank (0) must be an integer >= 1"),
+    (2, "zero0_fp32", ["parallel.grad_compression=fp8"], "parallel.grad_compression"),
+    (2, "zero1_fp32", ["parallel.shared_expert_overlap=true", "parallel.expert_parallel_size=2"],
+     "shared_expert_overlap is true but the model has no shared experts"),
+    (2, "zero1_fp32", ["parallel.expert_exchange=hierarchical"], "expert_parallel_size is 1; use flat"),
+    (4, "zero1_fp32", ["parallel.expert_exchange=hierarchical", "parallel.expert_parallel_size=4",
+                       "parallel.node_size=4"], "must span several whole nodes"),
+    (4, "zero1_fp32", ["parallel.expert_exchange=hierarchical", "parallel.expert_parallel_size=4",
+                       "model.moe.dispatch_dtype=bf16"], "dispatch_dtype is bf16"),
+    (4, "zero1_fp32", ["parallel.node_size=2"], "parallel.node_size (2) is set but parallel.expert_exchange is flat"),
+])
+def test_settings_that_cannot_apply_are_refused(monkeypatch, world, config, sets, message):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError) as err:
+        plan_for(f"ds_configs/{config}.json", sets=sets)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_bf16_sets_deepspeeds_communication_type(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    plan = plan_for("ds_configs/zero2_fp32.json", sets=["parallel.grad_compression=bf16"])
+    assert plan.ds["communication_data_type"] == "bf16"
+    assert "communication_data_type" not in plan_for("ds_configs/zero2_fp32.json").ds
+
+
+def test_powersgd_under_expert_parallelism_reduces_over_each_experts_replicas(warm_launcher, tmp_path):
+    """4 ranks, EP2 x DP2, fp32 ZeRO-0: PowerSGD's own reduction in its uncompressed start (all 3
+    steps) equals DeepSpeed's all-reduce step for step (relative 1e-6: the same two-rank sums,
+    divided in another place): each expert's gradient is averaged over its own data-parallel
+    replicas, after the non-expert gradients were summed over ep. Reduced over a wrong group
+    (e.g. the whole job) the expert gradients would mix different experts. A compressed run
+    (start 1) trains on at this layout."""
+    config = ds_variant(tmp_path, "zero0_fp32", train_micro_batch_size_per_gpu=4)
+    ep = ["parallel.expert_parallel_size=2", "eval.every=0"]
+    psgd = ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=4"]
+    warm_launcher.launch_many([(tmp_path / "none", config, ep),
+                               (tmp_path / "start", config, ep + psgd + ["parallel.powersgd_start_steps=10"]),
+                               (tmp_path / "compressed", config, ep + psgd + ["parallel.powersgd_start_steps=1"])],
+                              nproc=4, steps=3)
+    none, start, compressed = (rows(tmp_path / n) for n in ("none", "start", "compressed"))
+    for a, b in zip(none, start):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    assert compressed[2]["grad_exchange_bytes"] * 8 <= start[2]["grad_exchange_bytes"]
+    assert all(r["loss"] < 20 and "skipped" not in r for r in compressed)
