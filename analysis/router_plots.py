@@ -1,4 +1,4 @@
-"""PNG plots of a router report (``analysis/router.py``, ``launch/analyze_router.py``).
+"""PNG plots of a router report (``analysis/router_report.py``, ``launch/analyze_router.py``).
 
 - ``router_load.png``: per checkpoint, a heatmap of each MoE layer's expert load as share x E
   (1 = an even share), MoE layer x expert.
@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")                  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.router import CLASSES  # noqa: E402
+from analysis.router_report import CLASSES  # noqa: E402
 
 
 def _grid(n: int, cols: int = 4):

@@ -2,9 +2,8 @@
 
 Each worker loads the tokenizer once (the backend's JSON, handed over at start-up) and encodes
 with the ``tokenizers`` batch encoder, single-threaded, so that N workers use N cores and no more
-(a SLURM task's ``--cpus-per-task``). Measured with ``benchmarks/peers/data_pipeline.py`` on 2 cores:
-one single-threaded worker 1.4 MB/s, two 2.3-2.7 MB/s, one worker with the Rust encoder's own
-threads 2.6-2.8 MB/s: its threads buy what a second process does, so with both they would only
+(a SLURM task's ``--cpus-per-task``). On 2 cores a second worker process buys what the Rust
+encoder's own threads do (``docs/performance/data-pipeline.md``), so with both they would only
 oversubscribe the cores. One worker encodes in this process, with no start-up cost.
 
 At most ``2 * workers`` batches are in flight, so memory stays a few batches whatever the corpus

@@ -7,7 +7,7 @@ reads), tokenizes the text with the run's tokenizer (EOS appended), runs the mod
 mode over windows of the run's sequence length, the run's micro-batch per forward, and writes
 ``OUT/router_report.json`` (per MoE layer: tokens per expert, load max/mean, router and load
 entropy, dropped fraction at the train and eval capacity factors, expert co-selection, token
-and token-class specialization, collapsed experts and layers; see ``analysis/router.py``) and
+and token-class specialization, collapsed experts and layers; see ``analysis/router_report.py``) and
 the PNG plots of ``analysis/router_plots.py``, then prints their paths. ``--checkpoints``:
 ``latest`` (default), ``all`` (one report entry per checkpoint, oldest first), or a comma list
 of tags or steps (``step00000100,200``). Bad input is one line on stderr and exit code 2.
@@ -44,7 +44,7 @@ def prepare(args: argparse.Namespace) -> dict:
     """Every check that needs no model: ValueError (one line, naming the fix) on bad input."""
     from model.config import config_from_dict
     from training.checkpoint.layout import read_run_config
-    from analysis.router import select_checkpoints
+    from analysis.router_report import select_checkpoints
 
     run_dir, text_file = Path(args.run_dir), Path(args.text_file)
     if not run_dir.is_dir():
@@ -68,7 +68,7 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def analyze(args: argparse.Namespace, job: dict) -> list[dict]:
     """One report entry per checkpoint of ``job["tags"]``, oldest first."""
-    from analysis import router
+    from analysis import router_report as router
     from interop.consolidate import load_run_model
     from training.config.recipe import recipe_from_dict
     from training.data.batches import encode_texts
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             "num_experts": moe.num_experts, "top_k": moe.top_k,
             "capacity_factor": {"train": moe.capacity_factor, "eval": moe.eval_capacity_factor},
             **job["layout"], "max_tokens": args.max_tokens}
-    from analysis import router, router_plots
+    from analysis import router_plots, router_report as router
     report = router.report(meta, entries)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -295,7 +295,7 @@ launch_torchrun_cpu() {
     export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu   # gloo on CPU even on a machine with GPUs
     _ENV_NAMES+=(CUDA_VISIBLE_DEVICES DS_ACCELERATOR)
     # glibc's malloc keeps large freed blocks instead of unmapping them every step (less system
-    # time: docs/PERFORMANCE.md, "The CPU allocator").
+    # time: docs/performance/cpu-allocator.md).
     _setenv MALLOC_MMAP_THRESHOLD_ 4294967296
     _setenv MALLOC_TRIM_THRESHOLD_ 68719476736
     _run torchrun --standalone --nnodes "$NUM_NODES" --nproc_per_node "$NPROC_PER_NODE" "${_TORCHRUN_GRACE[@]}" "${TRAIN[@]}"

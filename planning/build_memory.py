@@ -4,9 +4,10 @@ The build is ``training.engine.build.build_model``. Its peak per rank is the mod
 divided by the ranks that share them, plus the largest layer drawn in fp32:
 
 - ZeRO-3 (``training/engine/sharded_build.py``): ``zero.Init`` creates each module's parameters in the
-  training dtype and partitions them over dp as the module's constructor returns: ``params`` =
-  a psi / dp, on the device (on the host under ``offload_param``). While a module is created it
-  is whole at this rank's layout and broadcast from dp rank 0: ``construct`` = 2 a x the largest
+  training dtype and partitions them over DeepSpeed's data-parallel group, dp x cp ranks, as the
+  module's constructor returns: ``params`` = a psi / (dp x cp), on the device (on the host under
+  ``offload_param``). While a module is created it is whole at this rank's layout and broadcast
+  from that group's rank 0: ``construct`` = 2 a x the largest
   module (its tensors and a receive buffer), on the device. Then each rank draws its tp/ep
   shard of each tensor in fp32 on the host and writes its partition: ``draw`` = 4 x
   ``largest_draw``.

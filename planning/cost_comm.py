@@ -206,8 +206,9 @@ def cp_seconds(shape: Shape, layout: Layout, cluster: Cluster, layers: range,
     all-gather / reduce-scatter wait for their results; the ring's sends travel while the
     previous block is computed (``model/parallel/ring.py``), so only what exceeds the attention
     core's ``attention_s`` (forward and backward of those layers) shows, plus a latency per hop.
-    cp ranks are tp apart (rank order tp, ep, cp: ``model/parallel/groups.py`` puts ep between;
-    the stride counts it when the layout splits batches over ep)."""
+    In Megatron's order cp comes right after tp, so cp ranks are tp apart; this trainer's is the
+    order tp, ep, cp, dp, pp (``model/parallel/groups.py``), so the stride also counts ep when
+    the layout splits batches over ep."""
     cp = layout.cp
     if cp == 1:
         return 0.0
@@ -232,7 +233,7 @@ def dp_groups(shape: Shape, layout: Layout) -> dict[str, tuple[int, int]]:
     x cp everywhere (Megatron's data-parallel-with-context-parallel group). Megatron and
     torchtitan: dense parameters over dp cp = world / (tp pp), stride tp; experts over world /
     (etp ep pp) (expert data parallelism), stride etp ep. This trainer (``ep_splits_batch``,
-    rank order tp, ep, cp, dp): both over dp cp = world / (tp ep pp), stride tp ep; the dense
+    order tp, ep, cp, dp, pp): both over dp cp = world / (tp ep pp), stride tp ep; the dense
     parameters' sum over ep is a separate all-reduce (``step_cost``).
     """
     if layout.ep_splits_batch or not shape.experts:

@@ -12,7 +12,7 @@ The report holds:
 - where: step, micro-batch and phase (forward, backward, optimizer step, pipeline schedule,
   evaluation, checkpoint save or load, start-up), as the trainer last recorded them in its
   ``training.step.stepper.StepContext``; a field the run had not reached yet is null;
-- the layout: world, tp/ep/pp/dp, ZeRO stage, precision, micro-batch, accumulation, sequence
+- the layout: world, tp/ep/cp/pp/dp, ZeRO stage, precision, micro-batch, accumulation, sequence
   length, activation checkpointing;
 - the estimator's per-GPU breakdown for this run (``planning/estimator.estimate``) next to the
   allocator's figures: ``torch.cuda.memory_stats`` and ``mem_get_info`` on a GPU, and the
@@ -126,7 +126,8 @@ def _layout(plan, device: torch.device, ctx) -> dict:
     recipe, ds = plan.recipe, plan.ds
     par, zero = recipe.parallel, ds.get("zero_optimization") or {}
     return {"world_size": plan.world_size, "tp": par.tensor_parallel_size,
-            "ep": par.expert_parallel_size, "pp": par.pipeline_parallel_size, "dp": plan.dp_size,
+            "ep": par.expert_parallel_size, "cp": par.context_parallel_size, "pp": par.pipeline_parallel_size,
+            "dp": plan.dp_size,
             "zero_stage": int(zero.get("stage", 0)), "precision": mm.precision_of(ds),
             "micro_batch": ds["train_micro_batch_size_per_gpu"],
             "accumulation": ds["gradient_accumulation_steps"],

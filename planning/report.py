@@ -20,8 +20,8 @@ def format_estimate(est: dict) -> str:
         f"({est['gpus_per_node']} per node)",
         f"layout: tp {est['tp']} ep {est['ep']} pp {est['pp']} sp {sp}"
         + (f" cp {est['cp']} ({est['cp_comm']})" if est.get("cp", 1) > 1 else "")
-        + f" | ZeRO-{est['zero_stage']} over dp {est['zero_dp']} (= gpus / (tp ep pp)"
-        + (", dp x cp" if est.get("cp", 1) > 1 else "") + f") | {est['precision']}",
+        + f" | ZeRO-{est['zero_stage']} over dp x cp = {est['dp']} x {est.get('cp', 1)} = {est['zero_dp']}"
+        + f" (dp = gpus / (tp x ep x cp x pp)) | {est['precision']}",
         f"batch: micro {est['micro_batch']} x seq {est['seq_len']} ({act['tokens_per_rank']:.0f} tokens "
         f"per rank), accumulation {est['accumulation']}, activation checkpointing "
         f"{est['activation_checkpointing']}",

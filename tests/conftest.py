@@ -8,7 +8,7 @@ import pytest
 
 # For every process the tests start: W&B writes offline (no network, no key), tokenizers keep to
 # their thread, and glibc's malloc keeps large freed blocks instead of handing them back to the
-# kernel at every step (system time; docs/PERFORMANCE.md, "The CPU allocator"). Set here, so that
+# kernel at every step (system time; docs/performance/cpu-allocator.md). Set here, so that
 # the README's test command is all CI runs.
 for _key, _value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("TOKENIZERS_PARALLELISM", "false"),
                      ("MALLOC_MMAP_THRESHOLD_", "4294967296"), ("MALLOC_TRIM_THRESHOLD_", "68719476736")):

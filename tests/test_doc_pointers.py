@@ -5,7 +5,7 @@ A pointer is a code name in backquotes tied to a file of this repository:
 
 - a dotted name into a package, ``training.run.trainer.Run`` (``model.<key>`` is also how recipe
   keys are written, so ``model.`` names are checked only when they reach a module file);
-- a name before a file: `` `resolve_ds_config` in [training/run/preflight.py](...) ``, also
+- a name before a file: `` `resolve_ds_config` in [training/config/ds_config.py](...) ``, also
   `` `name` ([file](...)) `` and `` `name` in `file` ``;
 - the names that open the text after a file: `` [file](...): `A`, `B.c` and `D` `` (a
   parenthetical between them is skipped), also `` `file` `name` ``;
@@ -129,7 +129,7 @@ def test_a_pointer_to_a_moved_or_renamed_name_fails_the_check():
     doc = REPO / "docs" / "page.md"              # links are read relative to docs/
     good = ("The loop is `Run.loop` in [training/run/trainer.py](../training/run/trainer.py); "
             "[training/step/stepper.py](../training/step/stepper.py): `Stepper.train_step`, "
-            "`_prepare_last_step` (lr 0) and `_finish_step`. `training.run.preflight.resolve_ds_config` "
+            "`_prepare_last_step` (lr 0) and `_finish_step`. `training.config.ds_config.resolve_ds_config` "
             "checks it; `model.moe.top_k` is a recipe key.\n\n"
             "| `plan_dispatch`, `permute` | [model/moe/dispatcher.py](../model/moe/dispatcher.py) |\n")
     assert pointer_problems(doc, good) == []

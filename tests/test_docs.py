@@ -1,8 +1,11 @@
 """The README and docs say only what exists.
 
-Every command in a fenced block of the README, ``ds_configs/README.md``, ``benchmarks/README.md``,
-``docs/*.md`` and ``docs/studies/*.md`` is checked as written. Those that finish in seconds on a
-CPU run whole:
+Every command in a fenced block of the README, ``ds_configs/README.md``, ``benchmarks/README.md``
+and every page under ``docs/`` (``docs/studies/``, ``docs/performance/`` included) is checked as
+written. ``python -m module`` of a module of this repository (``python -m
+benchmarks.systems.comm_volume``) is checked as ``python script`` is: the module's own parser
+reads the line; ``python -m torch.distributed.run`` as ``torchrun``; ``python -m pytest`` as
+``pytest``; any other module must be installed. Those that finish in seconds on a CPU run whole:
 
 - ``launch/estimate_memory.py`` lines (the whole estimate or plan);
 - the launch scripts, with ``--dry-run`` against a fake hostfile and SLURM;
@@ -26,7 +29,12 @@ also goes through ``preflight.prepare``, the trainer's whole up-front validation
 JSON, layout, data source). ``docs/README.md`` states the same rule for readers.
 
 Every link resolves, to a file that exists and, for ``page.md#anchor``, to a heading of that page
-(GitHub's anchor rule); every repository path named in backquotes exists; no placeholder is left.
+(GitHub's anchor rule); every repository path named in backquotes exists; no placeholder is left;
+every page under ``docs/`` is reachable by links from ``docs/README.md``.
+
+The Python snippets of the pages: ``tests/test_doc_snippets.py``; the rank order and the
+data-parallel degree wherever stated: ``tests/test_doc_formulas.py``; code names tied to files:
+``tests/test_doc_pointers.py``.
 """
 
 from __future__ import annotations
@@ -56,8 +64,7 @@ TOPIC_PAGES = [
     "accumulation", "stability", "hyperparameters", "dense-vs-sparse", "routers-and-top-k",
     "load-balancing", "expert-parallelism", "switch", "mixtral", "modern-moe", "data", "planning"]
 DOCS = sorted([REPO / "README.md", REPO / "ds_configs" / "README.md",
-               REPO / "benchmarks" / "README.md", *(REPO / "docs").glob("*.md"),
-               *(REPO / "docs" / "studies").glob("*.md")])
+               REPO / "benchmarks" / "README.md", *(REPO / "docs").rglob("*.md")])
 # Example paths a reader substitutes with their own: commands naming them are parsed, not run.
 EXAMPLE_PATHS = re.compile(r"^(my|your|new|some)[\w.-]*$|^(init|hf|path/to)/|^runs/|\.txt$|^hostfile$")
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*(\.\w+)?$|\.\.\.")
@@ -66,8 +73,12 @@ PATH_TOKEN = re.compile(r"`((?:model|training|planning|interop|launch|tests|benc
 # The commands that read a finished run, run on a tiny one standing in for the documented run.
 RUN_READERS = {"launch/evaluate.py", "launch/convert_hf.py", "launch/analyze_router.py"}
 DOCUMENTED_RUN = "runs/tiny-mixtral"
-# Benchmarks that finish in seconds on 2 CPU cores: run whole, as written.
-QUICK_BENCHMARKS = {"benchmarks/systems/comm_volume.py", "benchmarks/planner_vs_published.py"}
+# Benchmarks that finish in seconds on 2 CPU cores: run whole, as written (a module, as
+# ``python -m`` names it, or a kept path entry point).
+QUICK_BENCHMARKS = {"benchmarks.systems.comm_volume", "benchmarks/planner_vs_published.py",
+                    "benchmarks.peers.planner_vs_published"}
+# ``python -m`` of these launches a script as torchrun does: the script's line is checked.
+LAUNCHER_MODULES = {"torch.distributed.run", "deepspeed.launcher.runner"}
 _PASSED: set[tuple] = set()          # commands already run whole in this session, as written
 
 
@@ -97,8 +108,27 @@ class _Parsed(Exception):
         self.namespace = namespace
 
 
+def _is_module(entry: str) -> bool:
+    """``entry`` names a module (``benchmarks.systems.comm_volume``), not a script path."""
+    return not entry.endswith((".py", ".sh", ".sbatch")) and "/" not in entry
+
+
+def _repo_module(name: str) -> Path | None:
+    """The file ``python -m name`` runs when ``name`` is a module of this repository (its top
+    package is a folder here), or None for any other module."""
+    parts = name.split(".")
+    if not (REPO / parts[0] / "__init__.py").is_file():
+        return None
+    path = REPO.joinpath(*parts)
+    for candidate in (path.with_suffix(".py"), path / "__main__.py"):
+        if candidate.is_file():
+            return candidate
+    raise AssertionError(f"python -m {name}: no module {'/'.join(parts)}.py in the repository")
+
+
 def _parse_with_entry_point(monkeypatch, script: str, argv: list[str]):
-    """Run ``script`` as __main__ until its parser returns; the parsed namespace, or SystemExit."""
+    """Run ``script`` (a path, or a module as ``python -m`` names it) as __main__ until its
+    parser returns; the parsed namespace, or SystemExit."""
     parse = argparse.ArgumentParser.parse_args
 
     def parse_then_stop(self, args=None, namespace=None):
@@ -109,9 +139,15 @@ def _parse_with_entry_point(monkeypatch, script: str, argv: list[str]):
         raise _Parsed(parse(self, args, namespace))
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.setattr(sys, "argv", [script, *argv])
+    module = _repo_module(script) if _is_module(script) else None
+    monkeypatch.setattr(sys, "argv", [str(module or script), *argv])
+    if module is not None:                          # not yet imported, as in a fresh ``python -m``
+        monkeypatch.delitem(sys.modules, script, raising=False)
     try:
-        runpy.run_path(str(REPO / script), run_name="__main__")
+        if module is not None:                      # as ``python -m script`` from the root
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(REPO / script), run_name="__main__")
     except _Parsed as done:
         return done.namespace
     finally:
@@ -164,7 +200,12 @@ def _run_reader(script: str, args: list[str], tmp_path: Path, finished: Path) ->
 
 
 def _check_python(monkeypatch, tmp_path, script: str, args: list[str], env: dict, finished) -> None:
-    assert (REPO / script).is_file(), f"{script} does not exist"
+    """``python script args`` (``script`` a path), or ``python -m script args`` (``script`` a
+    module of this repository), checked alike."""
+    if _is_module(script):
+        _repo_module(script)                                 # the module exists
+    else:
+        assert (REPO / script).is_file(), f"{script} does not exist"
     if any(PLACEHOLDER.search(a) for a in args):            # a synopsis line: its --help works
         with pytest.raises(SystemExit) as done:
             _parse_with_entry_point(monkeypatch, script, ["--help"])
@@ -174,7 +215,7 @@ def _check_python(monkeypatch, tmp_path, script: str, args: list[str], env: dict
     if (script, *args) in _PASSED:
         return
     if script in QUICK_BENCHMARKS:
-        out = python(script, *args)
+        out = python(*(["-m", script] if _is_module(script) else [script]), *args)
         assert out.returncode == 0, f"{script} {args}: {out.stdout[-2000:]}{out.stderr[-2000:]}"
         _PASSED.add((script, *args))
         return
@@ -242,7 +283,7 @@ def _check_shell(tmp_path, script: str, args: list[str], env: dict) -> None:
 def _check_pytest(args: list[str]) -> None:
     """Not run here (the suite runs them): every named file exists, every ``::name`` is a test in
     it, and every word of a ``-k`` expression names part of a test in the files."""
-    files, names, keyword = [], [], None
+    files, keyword = [], None
     for i, a in enumerate(args):
         if a.startswith("-k"):
             keyword = a[2:] or args[i + 1]
@@ -278,18 +319,24 @@ def _check_command(monkeypatch, tmp_path, line: str, finished) -> None:
     if tool == "pytest" or rest[:2] == ["-m", "pytest"]:
         _check_pytest([a for a in rest if a not in ("-m", "pytest")])
         return
+    if tool == "python" and rest[:1] == ["-m"] and rest[1] in LAUNCHER_MODULES:
+        tool, rest = "torchrun", rest[2:]                      # ``python -m torch.distributed.run``
     if tool in ("deepspeed", "torchrun"):
-        cut = next(i for i, w in enumerate(rest) if w.endswith(".py"))
+        cut = next(i for i, w in enumerate(rest) if w.endswith(".py") or w == "-m")
         for flag in ("--num_gpus", "--nproc_per_node"):
             if flag in rest[:cut]:
                 env["WORLD_SIZE"] = rest[rest.index(flag) + 1]
+        if rest[cut] == "-m":                                  # the launcher's ``-m module``
+            cut += 1
         _check_python(monkeypatch, tmp_path, rest[cut], rest[cut + 1:], env, finished)
     elif tool == "python":
-        if rest[0] == "-m":
+        if rest[0] == "-m" and _repo_module(rest[1]) is None:
             import importlib.util
             assert importlib.util.find_spec(rest[1]) is not None, rest[1]
-            return
-        _check_python(monkeypatch, tmp_path, rest[0], rest[1:], env, finished)
+        elif rest[0] == "-m":                                # a module of this repository
+            _check_python(monkeypatch, tmp_path, rest[1], rest[2:], env, finished)
+        else:
+            _check_python(monkeypatch, tmp_path, rest[0], rest[1:], env, finished)
     else:
         if tool == "sbatch":                                 # sbatch's own options first
             rest = [a for i, a in enumerate(rest) if not all(b.startswith("-") for b in rest[:i + 1])]
@@ -305,6 +352,10 @@ def test_documented_command_runs_as_written(monkeypatch, tmp_path, request, doc,
 @pytest.mark.parametrize("line", [
     "python launch/estimate_memory.py --recipe recipes/tiny_mixtral.yaml --gpus 8 --no-such-flag",
     "python benchmarks/pipeline_schedules.py --micro-batches 2 --no-such-flag",
+    "python -m benchmarks.systems.comm_volume --no-such-flag",
+    "python -m benchmarks.peers.moe_layer --threads 1 --time cpu",        # a prefix of --timer
+    "python -m benchmarks.systems.no_such_benchmark",
+    "python -m torch.distributed.run --nproc_per_node 8 -m benchmarks.gpu.nccl_check --no-such-flag",
     "deepspeed launch/train.py --config ds_configs/zero3.json --stepz 5",
     "deepspeed launch/train.py --config ds_configs/zero3.json --step 5",     # a prefix of --steps
     "python launch/convert_hf.py export --run-dir runs/tiny-mixtral --out hf/x --no-such-flag",
@@ -323,6 +374,29 @@ def test_every_topic_page_exists_and_is_linked_from_the_index():
         assert f"({name}.md)" in index, f"docs/README.md does not link {name}.md"
     for study in (REPO / "docs" / "studies").glob("*.md"):
         assert study in DOCS and f"(studies/{study.name})" in index, f"{study.name} unchecked or unlinked"
+
+
+def _linked_pages(doc: Path) -> set[Path]:
+    out = set()
+    for target in re.findall(r"\]\(([^)\s]+)\)", _without_code(doc.read_text(encoding="utf-8"))):
+        file = target.partition("#")[0]
+        if file.endswith(".md") and not re.match(r"^[a-z]+:", file) and (doc.parent / file).is_file():
+            out.add((doc.parent / file).resolve())
+    return out
+
+
+def test_topic_page_index_reaches_every_page():
+    """A reader who starts at docs/README.md can reach every page under docs/ (a page: a file
+    that opens with a ``# `` title; a study's generated table is not one) by following links."""
+    seen, todo = set(), [(REPO / "docs" / "README.md").resolve()]
+    while todo:
+        page = todo.pop()
+        if page not in seen:
+            seen.add(page)
+            todo += _linked_pages(page) - seen
+    pages = {p.resolve() for p in (REPO / "docs").rglob("*.md")
+             if p.read_text(encoding="utf-8").startswith("# ")}
+    assert sorted(p.relative_to(REPO).as_posix() for p in pages - seen) == []
 
 
 # ----------------------------------------------------------------------------- links and anchors

@@ -169,3 +169,67 @@ def test_training_sub_packages_import_only_downward():
                 assert same or other > floor, f"{module} imports {target}, which is not below it"
             elif module.startswith(("model.", "data_pipeline.")) or module in ("model", "data_pipeline"):
                 assert not target.startswith("training"), f"{module} imports {target}"
+
+
+# ------------------------------------------------------------------------------------------------
+# The rooms around the code: tests and benchmarks.
+
+KEPT_ENTRY_POINTS = {"benchmarks/dense_vs_sparse.py", "benchmarks/planner_vs_published.py",
+                     "benchmarks/pipeline_schedules.py"}
+# A name two library modules may share: a sub-package's builder, the MoE config nested in the
+# model's, and an entry point under launch/ with the library module it runs.
+SHARED_NAMES = {"__init__", "build", "config"}
+
+
+def _package_graph(package: str) -> dict[str, set[str]]:
+    """``package``'s import graph with each sub-package drawn as one node (``model.moe``,
+    ``model.parallel``) and each top-level module as its own: an import from a sub-package up to
+    a module that imports the sub-package back is a circle here."""
+    def node(module: str) -> str:
+        parts = module.split(".")
+        sub = REPO / package / parts[1] if len(parts) > 2 else None
+        return ".".join(parts[:2]) if sub is not None and sub.is_dir() else module
+    graph: dict[str, set[str]] = {}
+    for module, targets in _import_graph().items():
+        if module.split(".")[0] == package:
+            graph.setdefault(node(module), set()).update(
+                node(t) for t in targets if t.split(".")[0] == package)
+    return {k: v - {k} for k, v in graph.items()}
+
+
+@pytest.mark.parametrize("package", ["model", "data_pipeline"])
+def test_no_sub_package_imports_up_into_its_parent(package):
+    graph = _package_graph(package)
+    assert _circles(graph) == [], f"{package}/: a sub-package imports a module above it"
+    if package == "model":       # the check itself: MoEConfig taken from model.config again
+        assert _circles({**graph, "model.moe": graph["model.moe"] | {"model.config"}})
+
+
+def test_nothing_outside_tests_imports_tests():
+    for path in _tracked("*.py", "**/*.py"):
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith("tests/"):
+            assert "tests" not in _repo_imports(path), f"{rel} imports from tests/"
+
+
+def test_benchmarks_run_as_modules_without_a_path_bootstrap():
+    """Every benchmark runs as ``python -m benchmarks.<trade>.<name>`` from the repository root;
+    only the entry points kept at the paths users name put the root on ``sys.path``."""
+    scripts = _tracked("benchmarks/*.py", "benchmarks/**/*.py")
+    assert {p.relative_to(REPO).as_posix() for p in scripts if p.parent == REPO / "benchmarks"} \
+        - {"benchmarks/__init__.py"} == KEPT_ENTRY_POINTS
+    for path in scripts:
+        rel = path.relative_to(REPO).as_posix()
+        bootstrap = "sys.path.insert" in path.read_text(encoding="utf-8")
+        assert bootstrap == (rel in KEPT_ENTRY_POINTS), f"{rel}: sys.path bootstrap {bootstrap}"
+
+
+def test_no_results_under_docs_and_no_module_name_twice():
+    assert _tracked("docs/*.json", "docs/**/*.json") == [], "study results belong beside their benchmark"
+    names: dict[str, list[str]] = {}
+    for package in PACKAGES:
+        for path in _tracked(f"{package}/*.py", f"{package}/**/*.py"):
+            names.setdefault(path.stem, []).append(path.relative_to(REPO).as_posix())
+    for name, paths in names.items():
+        libraries = [p for p in paths if not p.startswith("launch/")]
+        assert name in SHARED_NAMES or len(libraries) <= 1, f"{name}.py twice: {paths}"

@@ -8,7 +8,7 @@
 #
 # The image has torch, transformers, tokenizers, safetensors, pyarrow, numpy, pyyaml, einops,
 # msgpack, ninja, psutil, py-cpuinfo, tqdm, packaging, nvidia-ml-py, typing-extensions and pytest
-# (/work/.library-style package list in benchmarks/gpu_suite.sh, IMAGE_PACKAGES). It lacks
+# (the package list IMAGE_PACKAGES in benchmarks/gpu/gpu_suite.sh). It lacks
 # deepspeed, hjson and pydantic (with pydantic-core, annotated-types, typing-inspection), and
 # wandb and datasets, which the suite does not need: every import of them is lazy and it runs
 # with W&B off on prepared data. DeepSpeed is published as source only: its wheel is built here

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU day: what this repo measures on one lent H200, sized to that machine as it is (see
-# docs/PERFORMANCE.md, "The GPU suite"): Python 3.12 with torch, transformers, tokenizers and the
+# docs/performance/gpu-suite.md, "The GPU suite"): Python 3.12 with torch, transformers, tokenizers and the
 # rest of its image, but no deepspeed, pydantic, hjson, wandb or datasets, no package index, a
 # 10-minute limit per command, at most 8 files back from $OUT, 2 folders deep.
 #
@@ -165,7 +165,7 @@ step_compile() {
 step_nccl_check() {
   local extra=()
   [ "$SIZE" = gpu ] || extra=(--backend gloo --device cpu --mb 16)
-  "$PY" -m torch.distributed.run --standalone $NCCL_ARGS benchmarks/gpu/nccl_check.py --sweep "${extra[@]}" \
+  "$PY" -m torch.distributed.run --standalone $NCCL_ARGS -m benchmarks.gpu.nccl_check --sweep "${extra[@]}" \
     | tee -a "$FIG"
 }
 

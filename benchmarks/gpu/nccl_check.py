@@ -3,8 +3,8 @@ then timed (256 MB all-reduce, 10 rounds), with bus bandwidth as nccl-tests defi
 ``--sweep``, both timed at every size from 32 KB to ``--mb`` (x4 per size) beside the planner's
 NVLink bus bandwidth for the GPU (``planning/hardware.py``).
 
-    python -m torch.distributed.run --nproc_per_node N benchmarks/gpu/nccl_check.py --sweep     # N GPUs, NCCL
-    python -m torch.distributed.run --nproc_per_node 2 benchmarks/gpu/nccl_check.py --backend gloo --device cpu
+    python -m torch.distributed.run --nproc_per_node N -m benchmarks.gpu.nccl_check --sweep     # N GPUs, NCCL
+    python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.gpu.nccl_check --backend gloo --device cpu
 
 Bus bandwidth is ``2(n-1)/n x bytes / time`` for an all-reduce: the bytes each GPU's link
 carries, comparable across world sizes. At world size 1 there is no link (NCCL copies the buffer

@@ -49,14 +49,42 @@ SIZES = {"tiny": [], "mid": ["model.hidden_size=512", "model.num_heads=8", "mode
                              "model.ffn_hidden_size=512"]}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="ds_configs/zero1_fp32.json", help="DeepSpeed JSON for both")
+def run_parser(description: str, size: tuple[str, dict], steps_per: str) -> argparse.ArgumentParser:
+    """The options of a side-by-side run (this script's and ``optimizer_step.py``'s): the JSON,
+    the recipe, ``size`` (its flag and keywords), the steps (per ``steps_per``), the untimed
+    first steps and the CPU threads."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--config", default="ds_configs/zero1_fp32.json", help="the DeepSpeed JSON of every model")
     p.add_argument("--recipe", default="recipes/tiny_mixtral.yaml")
-    p.add_argument("--sizes", default="tiny,mid", help="comma-separated subset of: tiny, mid")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per model")
+    p.add_argument(size[0], **size[1])
+    p.add_argument("--steps", type=int, default=12, help=f"optimizer steps per {steps_per}")
     p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p
+
+
+def check_warmup(p: argparse.ArgumentParser, args, script: str) -> None:
+    if not 0 <= args.warmup < args.steps:
+        p.exit(2, f"{script}: error: --warmup ({args.warmup}) must be >= 0 and below --steps "
+                  f"({args.steps}): the later steps are timed\n")
+
+
+def start(args) -> None:
+    """Before the first build: ``--threads``, and no wandb."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def finish() -> int:
+    from training.run import distributed
+    distributed.shutdown()
+    return 0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = run_parser(__doc__.split("\n\n")[0], ("--sizes", dict(default="tiny,mid", help="comma-separated subset of: tiny, mid")),
+                   "model")
     p.add_argument("--op-profile", action="store_true", help="profile forward+backward per op instead")
     p.add_argument("--compile", action="store_true",
                    help="ours with train.compile against ours eager, instead of against transformers")
@@ -64,9 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.sizes.split(",") if s not in SIZES]
     if bad:
         p.exit(2, f"end_to_end.py: error: --sizes: {','.join(bad)} is not one of {','.join(SIZES)}\n")
-    if not 0 <= args.warmup < args.steps:
-        p.exit(2, f"end_to_end.py: error: --warmup ({args.warmup}) must be >= 0 and below --steps "
-                  f"({args.steps}): the later steps are timed\n")
+    check_warmup(p, args, "end_to_end.py")
     return args
 
 
@@ -206,10 +232,7 @@ def summarize(rows: list[dict], tokens_per_step: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    from training.run import distributed
+    start(args)
     from training.run.preflight import plan_for
     from training.run.trainer import Run
 
@@ -232,8 +255,7 @@ def main(argv=None) -> int:
                         ratio))
 
     if args.op_profile:
-        distributed.shutdown()
-        return 0
+        return finish()
     print(f"config {args.config}, device {ctx.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; medians over {args.steps - args.warmup} steps (ms)\n")
     print("| size | params | implementation | tokens/s | step | forward | backward | optimizer | other |")
@@ -253,8 +275,7 @@ def main(argv=None) -> int:
         else:
             print(f"{size}: ours / transformers tokens/s = {ratio:.2f} (median of per-step ratios; "
                   f"of the medians {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f})")
-    distributed.shutdown()
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

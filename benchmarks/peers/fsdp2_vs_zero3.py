@@ -5,7 +5,7 @@ and step time, for each of torch's sharding strategies.
     python -m benchmarks.peers.fsdp2_vs_zero3                           # 2 gloo CPU ranks, tiny Mixtral, 12 steps
     python -m benchmarks.peers.fsdp2_vs_zero3 --models mixtral,dense --steps 12
     python -m benchmarks.peers.fsdp2_vs_zero3 --nproc 4 --strategies full,grad_op,hybrid,none
-    torchrun --nproc_per_node 2 benchmarks/peers/fsdp2_vs_zero3.py      # the same, launched by hand
+    torchrun --nproc_per_node 2 -m benchmarks.peers.fsdp2_vs_zero3      # the same, launched by hand
 
 Strategies (``--strategies``, default ``full``), each trained beside ZeRO-3 on the same tokens:
 

@@ -1,6 +1,6 @@
 """Forward+backward throughput of our ``MoELayer`` against transformers' ``MixtralSparseMoeBlock``.
 
-Hardware: any CPU (results in docs/PERFORMANCE.md are from a 2-core CPU) or one CUDA GPU.
+Hardware: any CPU (results in docs/performance/moe-layer.md are from a 2-core CPU) or one CUDA GPU.
 Launch:   python -m benchmarks.peers.moe_layer                 # CPU fp32, T=4096 H=512 I=1024, E=8,32,64
           python -m benchmarks.peers.moe_layer --threads 1 --timer cpu        # steadier on a shared CPU
           python -m benchmarks.peers.moe_layer --device cuda --dtype bf16     # T=16384 H=2048 I=4096

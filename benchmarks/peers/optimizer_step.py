@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import os
 import statistics
 from pathlib import Path
 
@@ -51,27 +50,17 @@ VARIANTS = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="ds_configs/zero1_fp32.json")
-    p.add_argument("--recipe", default="recipes/tiny_mixtral.yaml")
-    p.add_argument("--size", default="mid", choices=sorted(end_to_end.SIZES))
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps per variant")
-    p.add_argument("--warmup", type=int, default=2, help="first steps not counted")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p = end_to_end.run_parser(__doc__.split("\n\n")[0],
+                              ("--size", dict(default="mid", choices=sorted(end_to_end.SIZES))), "variant")
     args = p.parse_args(argv)
-    if not 0 <= args.warmup < args.steps:
-        p.exit(2, f"optimizer_step.py: error: --warmup ({args.warmup}) must be >= 0 and below "
-                  f"--steps ({args.steps}): the later steps are timed\n")
+    end_to_end.check_warmup(p, args, "optimizer_step.py")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("WANDB_MODE", "disabled")
+    end_to_end.start(args)
     from training.engine.build import optimizer_summary
-    from training.run import distributed
     from training.run.preflight import plan_for
     from training.run.trainer import Run
 
@@ -112,8 +101,7 @@ def main(argv=None) -> int:
         diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], run["losses"]))
         print(f"| {name} | {1e3 * total:.1f} | {1e3 * optim:.1f} | {tokens / total:,.0f} | "
               f"{speedup:.2f}x | {diff:.1e} |")
-    distributed.shutdown()
-    return 0
+    return end_to_end.finish()
 
 
 if __name__ == "__main__":

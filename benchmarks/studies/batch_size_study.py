@@ -8,8 +8,10 @@ Tiny dense recipe, one process (CPU), fp32 ZeRO-1 AdamW (ZeRO-0 for LAMB, bf16 o
 micro-batch 4 x seq_len 128 = 512 tokens, the batch set by accumulation 2/4/8 (1024/2048/4096
 tokens); the same token budget for every setting. The lr is ``zero1_fp32.json``'s 6e-4 at the
 base batch (8 sequences), scaled by the JSON's ``lr_scaling`` block; LAMB keeps
-``zero0_lamb.json``'s own (2e-3 at 64 sequences, sqrt rule). Writes ``DIR/results.json``,
-``DIR/loss_vs_tokens.png`` and ``DIR/noise_scale.png``; 5 min 13 s on 2 CPU cores (measured).
+``zero0_lamb.json``'s own (2e-3 at 64 sequences, sqrt rule). The runs go to ``DIR``; writes
+``batch_size_study.json`` into ``--results`` (default ``benchmarks/studies/results/``) and
+``batch_size_loss_vs_tokens.png`` and ``batch_size_noise_scale.png`` into ``--figures`` (default
+``docs/studies/img/``); 5 min 13 s on 2 CPU cores (measured).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from benchmarks import add_output_args, output_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO, SEQ, BASE_SEQS = 4, 128, 8
@@ -80,7 +84,7 @@ def _plots(results: list[dict], out: Path) -> None:
         ax.plot(r["curve"]["tokens"], r["curve"]["loss"], label=f"{r['name']} (lr {r['peak_lr']:.2g})")
     ax.set(xlabel="tokens", ylabel="training loss", title="Loss vs tokens, tiny dense", ylim=(None, 8.5))
     ax.legend(fontsize="small")
-    fig.savefig(out / "loss_vs_tokens.png", dpi=100)
+    fig.savefig(out / "batch_size_loss_vs_tokens.png", dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.5), constrained_layout=True)
     for r in results:
@@ -90,16 +94,18 @@ def _plots(results: list[dict], out: Path) -> None:
     ax.set(xlabel="tokens", ylabel="B_simple (tokens)", yscale="log",
            title="Gradient noise scale (EMA ratio) over training")
     ax.legend(fontsize="small")
-    fig.savefig(out / "noise_scale.png", dpi=100)
+    fig.savefig(out / "batch_size_noise_scale.png", dpi=100)
     plt.close(fig)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the study's folder: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--tokens", type=int, default=262144, help="training tokens per setting")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    results_folder, figures = output_dirs(args, "studies")
     results = []
     for name, base, gas, rule in SETTINGS:
         results.append(_run(name, base, gas, rule, args.tokens, args.out))
@@ -107,8 +113,10 @@ def main(argv=None) -> int:
         print(f"{name:13s} batch {r['batch_tokens']:5d} tok  steps {r['steps']:4d}  lr {r['peak_lr']:.3g}  "
               f"final loss {r['final_loss']:.4f}  eval {r['eval_loss']:.4f}  "
               f"B_simple {r['noise_scale_second_half'] or float('nan'):.0f}  ({r['wall_s']:.0f} s)", flush=True)
-    _plots(results, args.out)
-    (args.out / "results.json").write_text(json.dumps({"tokens": args.tokens, "results": results}, indent=1))
+    _plots(results, figures)
+    (results_folder / "batch_size_study.json").write_text(
+        json.dumps({"tokens": args.tokens, "results": results}, indent=1))
+    print(f"wrote {results_folder / 'batch_size_study.json'} and {figures}/batch_size_*.png", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,8 @@ on a corpus of short documents.
    time; and the forward + backward time of the model alone at 128 and 1,024 tokens, with
    and without the mask (the kernel cost at a longer window).
 
-Runs go to ``--out`` (which must not exist), with ``results.json``.
+The corpus and the runs go to ``--out`` (which must not exist); ``document_masking.json`` (the
+header, the table's figures, per run) to ``--results`` (default ``benchmarks/studies/results/``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from benchmarks import results_dir
+from benchmarks.studies.upcycling_study import run  # the studies' subprocess runner
 
-from benchmarks.studies.upcycling_study import run  # noqa: E402  (the studies' subprocess runner)
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = "recipes/tiny_dense.yaml"
 
@@ -50,7 +52,9 @@ RECIPE = "recipes/tiny_dense.yaml"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=REPO / "runs" / "document_masking_study",
-                   help="where the corpus, the runs and results.json go (must not exist)")
+                   help="where the corpus and the runs go (must not exist)")
+    p.add_argument("--results", type=Path, default=results_dir("studies"), metavar="DIR",
+                   help="folder for document_masking.json (default: benchmarks/studies/results)")
     p.add_argument("--config", default="ds_configs/zero2_fp32.json", help="DeepSpeed JSON of both runs")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=None, help="train.seed of both runs (default: the recipe's)")
@@ -206,7 +210,8 @@ def main(argv=None) -> int:
               f"{RECIPE}, {args.config}, {args.steps} steps, seed {seed}")
     print(header)
     print(table)
-    (args.out / "results.json").write_text(json.dumps(
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "document_masking.json").write_text(json.dumps(
         {"header": header, "documents": len(train_docs), "mean_bytes": mean_bytes,
          "runs": results, "kernel_cost_s": costs}, indent=1) + "\n")
     return 0

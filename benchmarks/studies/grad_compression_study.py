@@ -10,9 +10,11 @@ and the step time.
 2 ranks (torchrun, gloo on CPU), dp2, fp32 ZeRO-0 (``ds_configs/zero0_fp32.json``: what PowerSGD
 runs at), micro-batch 4 x 64 tokens per rank, the recipes' widths halved (hidden 64, 2 layers)
 so that the 28 runs fit in about 7 minutes on 2 cores; PowerSGD starts after 10 uncompressed
-steps (the recipe default). Writes ``DIR/results.json`` (one row per run: final loss = mean of
-the last 20 steps, bytes, step time), ``DIR/summary.json`` (per setting: mean and spread over
-the seeds, the gap to the uncompressed run) and ``DIR/loss_curves.png``.
+steps (the recipe default). The runs and ``DIR/results.json`` (one row per run: final loss =
+mean of the last 20 steps, bytes, step time) go to ``DIR``; ``grad_compression.json`` (per
+setting: mean and spread over the seeds, the gap to the uncompressed run) to ``--results``
+(default ``benchmarks/studies/results/``) and ``grad_compression_loss.png`` to ``--figures``
+(default ``docs/studies/img/``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import add_output_args, output_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = ["model.hidden_size=64", "model.num_layers=2", "model.ffn_hidden_size=128",
@@ -135,12 +139,13 @@ def _plot(results: list[dict], out: Path) -> None:
     axes[0].set_ylabel("training loss (10-step mean)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out / "loss_curves.png", dpi=110)
+    fig.savefig(out / "grad_compression_loss.png", dpi=110)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the study's folder: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--models", default=",".join(MODELS), help="a subset of " + ",".join(MODELS))
     p.add_argument("--settings", default=",".join(s for s, _ in SETTINGS),
@@ -152,6 +157,7 @@ def main(argv=None) -> int:
     if unknown or "none" not in settings or args.steps <= TAIL:
         p.error(f"unknown models/settings {unknown}, or no 'none' setting, or --steps <= {TAIL}")
     args.out.mkdir(parents=True, exist_ok=True)
+    results_folder, figures = output_dirs(args, "studies")
     config = _config(args.out)
     plan = [(m, s, sets, seed) for m in models for s, sets in SETTINGS if s in settings
             for seed in SEEDS[:args.seeds]]
@@ -168,8 +174,10 @@ def main(argv=None) -> int:
     _fill_deepspeed_bytes(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     summary = _summary(results)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    _plot(results, args.out)
+    (results_folder / "grad_compression.json").write_text(json.dumps(summary, indent=1))
+    _plot(results, figures)
+    print(f"wrote {results_folder / 'grad_compression.json'} and {figures / 'grad_compression_loss.png'}",
+          file=sys.stderr)
     print(json.dumps(summary, indent=1))
     return 0
 

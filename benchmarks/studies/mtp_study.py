@@ -20,8 +20,9 @@ seeds (mean, spread = max - min, per seed); per seed, each MTP arm minus the no-
 and its median step time over the no-MTP one's. An arm's effect counts as measured only when
 every seed's paired difference has the same sign and the mean difference exceeds the larger of
 the two arms' seed spreads (with one seed, never); otherwise the JSON says ``within noise``.
-Writes ``DIR/mtp.json`` and ``DIR/mtp.png``; prints one table. Runs live under ``DIR/sweep``
-(checkpoints deleted).
+Writes ``mtp.json`` into ``--results`` (default ``benchmarks/studies/results/``) and ``mtp.png``
+into ``--figures`` (default ``docs/studies/img/``); prints one table. Runs live under
+``DIR/sweep`` (checkpoints deleted).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import add_output_args, output_dirs
+
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = "recipes/tiny_deepseek_v3.yaml"
@@ -49,7 +52,8 @@ SMOOTH = 25          # moving-average window of the plotted training curves
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--out", type=Path, required=True, help="the study's folder: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--depths", nargs="+", type=int, default=[0, 1, 2], help="model.mtp_depth values "
                    "(the first is the control the others are paired with)")
@@ -200,8 +204,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sweep_dir = args.out / "sweep"
+    results, _ = output_dirs(args, "studies")
     if args.report_only:                                  # the study's wall time, as first written
-        rc, wall = 0, json.loads((args.out / "mtp.json").read_text())["wall_s"]
+        rc, wall = 0, json.loads((results / "mtp.json").read_text())["wall_s"]
     else:
         from launch import sweep
         start = time.time()
@@ -237,8 +242,8 @@ def report(args: argparse.Namespace, runs: dict[tuple[int, str], dict], wall: fl
            "eval": {"every": args.eval_every, "batches": args.eval_batches},
            "machine": machine(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime()),
            "wall_s": wall, "runs_wall_s": sum(r["wall_s"] for r in runs.values()),
-           "command": "OMP_NUM_THREADS=1 python " + " ".join(["benchmarks/studies/mtp_study.py",
-                                                              *(a for a in sys.argv[1:] if a != "--report-only")]),
+           "command": "OMP_NUM_THREADS=1 python -m " + " ".join(["benchmarks.studies.mtp_study",
+                                                                 *(a for a in sys.argv[1:] if a != "--report-only")]),
            **summary,
            "runs": {f"depth{d}-seed{s}": {
                "tokens": r["tokens"], "first_loss": r["first_loss"], "final_loss": r["final_loss"],
@@ -249,9 +254,10 @@ def report(args: argparse.Namespace, runs: dict[tuple[int, str], dict], wall: fl
                "smoothed_loss": smooth(r["loss"])[every - 1::every],
                "smoothed_mtp_loss": [smooth(c)[every - 1::every] for c in r["mtp_loss"]]}
                for (d, s), r in sorted(runs.items())}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "mtp.json").write_text(json.dumps(out, indent=1))
-    plot(runs, args.depths, args.seeds, args.out / "mtp.png")
+    results, figures = output_dirs(args, "studies")
+    (results / "mtp.json").write_text(json.dumps(out, indent=1))
+    plot(runs, args.depths, args.seeds, figures / "mtp.png")
+    print(f"wrote {results / 'mtp.json'} and {figures / 'mtp.png'}", file=sys.stderr)
     print(f"{RECIPE}, mtp_loss_coef {args.coef}, {args.steps} steps, seeds {' '.join(args.seeds)}; "
           f"{out['machine']}; {wall:.0f} s")
     print("mtp_depth | final eval loss (spread) | final train loss (spread) | final MTP losses | "

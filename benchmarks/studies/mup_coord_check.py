@@ -1,8 +1,12 @@
 """muP coordinate check and learning-rate sweep: standard (SP) vs maximal-update (muP) parametrization.
 
 Hardware: any CPU (results in docs/studies/mup.md are from a shared 2-core CPU, one thread).
-Launch:   python -m benchmarks.studies.mup_coord_check --out docs/studies/img            # coordinate check
-          python -m benchmarks.studies.mup_coord_check --out docs/studies/img --lr-sweep # lr sweep
+Launch:   python -m benchmarks.studies.mup_coord_check              # coordinate check
+          python -m benchmarks.studies.mup_coord_check --lr-sweep   # lr sweep
+          python -m benchmarks.studies.mup_coord_check --out DIR    # the JSON and the PNG both in DIR
+
+The JSON goes to ``--results`` (default ``benchmarks/studies/results/``), the PNG to ``--figures``
+(default ``docs/studies/img/``).
 
 Both modes train our ``Transformer`` in process (no DeepSpeed): a dense model of 2 blocks with 4
 heads (so the head width grows with the model width and the attention scale matters), byte-level
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-
+from benchmarks import add_output_args, output_dirs
 from model.config import DenseConfig
 from model.transformer import Transformer
 from data_pipeline.sources import stdlib_files
@@ -211,7 +215,7 @@ def plot_lr_sweep(result: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for the JSON and PNG results")
+    add_output_args(p, "studies", out=True)
     p.add_argument("--lr-sweep", action="store_true", help="run the lr sweep instead")
     p.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
     p.add_argument("--steps", type=int, default=6, help="coordinate check: forward passes recorded")
@@ -225,19 +229,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    results, figures = output_dirs(args, "studies")
     tokens = corpus_bytes()
     if args.lr_sweep:
         result = run_lr_sweep(args, tokens)
-        (out / "mup_lr_sweep.json").write_text(json.dumps(result, indent=1))
-        plot_lr_sweep(result, out / "mup_lr_sweep.png")
+        (results / "mup_lr_sweep.json").write_text(json.dumps(result, indent=1))
+        plot_lr_sweep(result, figures / "mup_lr_sweep.png")
         print(sweep_table(result))
     else:
         result = run_coord_check(args, tokens)
-        (out / "mup_coord_check.json").write_text(json.dumps(result, indent=1))
-        plot_coord_check(result, out / "mup_coord_check.png")
-    print(f"wrote {out}")
+        (results / "mup_coord_check.json").write_text(json.dumps(result, indent=1))
+        plot_coord_check(result, figures / "mup_coord_check.png")
+    print(f"wrote {results}" if results == figures else f"wrote {results} and {figures}")
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ runs fewer steps on the same tokens). Every variant uses one of our schedules (a
 ``optimizer.params.lr``), so that "no warmup" means the first update runs at the peak lr. Each run
 is scored by its held-out loss at the end (``eval.batches`` 16 batches of the validation split,
 one pass) and, beside it, the mean training loss of its last 20 steps; loss spikes are
-steps whose loss exceeds the mean of the 10 before by more than 10%. Writes ``DIR/<name>.json``
-(per variant: each value's mean over the seeds and its spread, max - min) and ``DIR/<name>.png``,
-with ``<name>`` ``lr_warmup``, ``lr_decay_shapes`` or ``weight_decay``; prints one table and a
-progress line per variant with an ETA. A variant already finished in ``DIR`` is read, not rerun,
-and each run is compared with a reference variant of the same seed (``reference``).
-``docs/studies/<name>.json`` and ``docs/studies/img/<name>.png`` are these files from the runs
-of 2026-12-02.
+steps whose loss exceeds the mean of the 10 before by more than 10%. Writes ``<name>.json``
+(per variant: each value's mean over the seeds and its spread, max - min) into ``--results``
+(default ``benchmarks/studies/results/``) and ``<name>.png`` into ``--figures`` (default
+``docs/studies/img/``), with ``<name>`` ``lr_warmup``, ``lr_decay_shapes`` or ``weight_decay``;
+prints one table and a progress line per variant with an ETA. The runs live under ``DIR/runs``;
+a variant already finished in ``DIR`` is read, not rerun, and each run is compared with a
+reference variant of the same seed (``reference``). ``benchmarks/studies/results/<name>.json``
+and ``docs/studies/img/<name>.png`` are these files from the runs of 2026-12-02.
 
 Time: a 200-step run takes about 30 s on an idle 2-core Intel Xeon (AMX-BF16) (estimated from
 a 100-step run alone: 16 s with start-up), so a study about 10 min; on 2026-12-02, under a load average of 14-21 from other jobs, the runs of the
@@ -45,6 +46,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import add_output_args, output_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -280,7 +283,8 @@ def plot(study: str, variants: dict, runs: dict, summary: dict, path: Path) -> N
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--study", choices=sorted(STUDIES), required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="the study's folder: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps at the base batch")
     p.add_argument("--seeds", nargs="+", default=list(SEEDS))
     p.add_argument("--variants", nargs="+", help="run only these (default: all of the study's)")
@@ -299,6 +303,7 @@ def main(argv=None) -> int:
         print(f"error: {what}", file=sys.stderr)
         return 2
     variants = {n: variants[n] for n in chosen}
+    results, figures = output_dirs(args, "studies")
     start, runs = time.time(), {}
     for i, (name, v) in enumerate(variants.items(), 1):
         source = v.get("same_as", name)
@@ -310,7 +315,7 @@ def main(argv=None) -> int:
               f"({elapsed / 60:.1f} min, ETA {eta / 60:.1f} min)", flush=True)
     summary = summarize(args.study, runs)
     out = OUTPUT[args.study]
-    (args.out / f"{out}.json").write_text(json.dumps(
+    (results / f"{out}.json").write_text(json.dumps(
         {"study": args.study, "recipe": RECIPE, "ds_config": BASE_JSON, "steps_at_base_batch": args.steps,
          "seeds": args.seeds, "extra_settings": args.set, "eval": "held-out loss, 16 batches, at the last step",
          "variants": {n: {"label": v["label"], "group": v["group"], "steps": run_steps(v, args.steps),
@@ -319,7 +324,8 @@ def main(argv=None) -> int:
          "summary": summary,
          "runs_wall_s": sum(s["wall_s"] for n, seeds in runs.items() if "same_as" not in variants[n]
                             for s in seeds.values())}, indent=1))
-    plot(args.study, variants, runs, summary, args.out / f"{out}.png")
+    plot(args.study, variants, runs, summary, figures / f"{out}.png")
+    print(f"wrote {results / f'{out}.json'} and {figures / f'{out}.png'}", file=sys.stderr)
     cols = ("eval_loss", "final_train_loss", "peak_grad_norm", "spikes", "mean_lr")
     print(f"{RECIPE}, {args.steps} steps at the base batch, seeds {' '.join(args.seeds)}: mean (spread)")
     print(" | ".join(["variant", *cols, "eval_loss minus the reference's, per seed"]))

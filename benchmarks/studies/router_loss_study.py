@@ -19,9 +19,11 @@
 (``--study`` and ``--loss`` are one option.) One process per run, fp32 ZeRO-1
 (``ds_configs/zero1_fp32.json``), 300 steps. Per run: each value at the end (mean of the last 20
 steps), its extreme over the run, and the loss spikes (steps whose loss exceeds the mean of the
-10 before by more than 10%). Writes ``DIR/summary.json`` (per coefficient, or per router dtype
-and z-loss coefficient: the mean and the spread, max - min, over the seeds) and
-``DIR/router_<loss>_loss.png`` (``DIR/router_precision.png``); prints one table.
+10 before by more than 10%). The runs go to ``DIR/sweep``; writes ``router_<loss>_loss.json``
+(``router_precision.json``; per coefficient, or per router dtype and z-loss coefficient: the mean
+and the spread, max - min, over the seeds) into ``--results`` (default
+``benchmarks/studies/results/``) and ``router_<loss>_loss.png`` (``router_precision.png``) into
+``--figures`` (default ``docs/studies/img/``); prints one table.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+from benchmarks import add_output_args, output_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--study", "--loss", dest="loss", choices=sorted(STUDIES), required=True,
                    help="the coefficient swept (z, aux), or the router's precision (precision)")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="the study's folder: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--coefs", nargs="+", help="coefficient values, or router dtypes (default: the study's)")
     p.add_argument("--also", nargs="+", help="values of the study's second key (precision: the "
@@ -163,6 +168,7 @@ def main(argv=None) -> int:
     also_key, also = (study["also"][0], args.also or list(study["also"][1])) if "also" in study else (None, [])
     grids = ["--grid", f"{also_key}=" + ",".join(also)] if also_key else []
     from launch import sweep
+    output_dirs(args, "studies")
     sweep_dir = args.out / "sweep"
     rc = sweep.main(["--config", "ds_configs/zero1_fp32.json", "--recipe", study["recipe"],
                      "--grid", f"{study['key']}=" + ",".join(coefs), *grids,
@@ -176,7 +182,7 @@ def main(argv=None) -> int:
 
 
 def report(args: argparse.Namespace, results: list[dict]) -> None:
-    """``summary.json``, the figure and the table, from the sweep's ``results.json`` rows."""
+    """The summary JSON, the figure and the table, from the sweep's ``results.json`` rows."""
     study = STUDIES[args.loss]
     coefs = args.coefs or list(study["coefs"])
     also_key, also = (study["also"][0], args.also or list(study["also"][1])) if "also" in study else (None, [])
@@ -193,12 +199,14 @@ def report(args: argparse.Namespace, results: list[dict]) -> None:
     if also_key:
         head.update(also_key=also_key, grid={study["key"]: coefs, also_key: also}, seeds=args.seeds,
                     paired=paired(runs, summary))
-    (args.out / "summary.json").write_text(json.dumps(
+    name = f"router_{args.loss}" if also_key else f"router_{args.loss}_loss"
+    results, figures = output_dirs(args, "studies")
+    (results / f"{name}.json").write_text(json.dumps(
         {**head, "settings": study["sets"], "steps": args.steps, "summary": summary,
          "runs": {f"{c}-seed{s}": {k: v for k, v in r.items() if not isinstance(v, list)}
                   for (c, s), r in runs.items()}}, indent=1))
-    png = f"router_{args.loss}.png" if also_key else f"router_{args.loss}_loss.png"
-    plot(runs, study["metrics"], args.out / png, order, "router dtype, z-loss" if also_key else "coefficient")
+    plot(runs, study["metrics"], figures / f"{name}.png", order, "router dtype, z-loss" if also_key else "coefficient")
+    print(f"wrote {results / f'{name}.json'} and {figures / f'{name}.png'}", file=sys.stderr)
     columns = [f"final_{m}" for m in study["metrics"]] + [f"peak_{m}" for m in study["metrics"]] + \
         ["final_loss", "spikes"]
     print(f"{study['recipe']} {' '.join(study['sets'])}, {args.steps} steps, seeds {' '.join(args.seeds)}: "

@@ -28,10 +28,11 @@ training loss of the last 20 steps beside it. A hyperparameter is **critical** w
 multiplier moves the eval loss from the baseline's seed mean by more than the seed spread
 (max - min over the 3 seeds), and **robust at this scale** otherwise; a run that fails is
 critical. Every run goes through ``launch/sweep.py`` (one sweep per hyperparameter; a sweep whose
-``results.json`` already holds all its points, ok, is reused). Writes ``DIR/sensitivity.json``
-and ``DIR/sensitivity.png`` (change in eval loss vs multiplier, one line per hyperparameter, the
-spread shaded) and prints the table; progress is one line per run (the sweep's) and one per
-hyperparameter with the elapsed time and an ETA.
+``results.json`` already holds all its points, ok, is reused; the runs live under ``DIR/runs``).
+Writes ``sensitivity.json`` into ``--results`` (default ``benchmarks/studies/results/``) and
+``sensitivity.png`` (change in eval loss vs multiplier, one line per hyperparameter, the spread
+shaded) into ``--figures`` (default ``docs/studies/img/``) and prints the table; progress is one
+line per run (the sweep's) and one per hyperparameter with the elapsed time and an ETA.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import add_output_args, output_dirs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +71,8 @@ INTEGER = ("warmup", "batch")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="the study's directory")
+    p.add_argument("--out", type=Path, required=True, help="the study's directory: its runs")
+    add_output_args(p, "studies")
     p.add_argument("--steps", type=int, default=120, help="steps of every run")
     p.add_argument("--hparams", nargs="+", default=list(KEYS), metavar="NAME",
                    help=f"the hyperparameters to vary (default all: {' '.join(KEYS)})")
@@ -261,6 +265,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    results, figures = output_dirs(args, "studies")
     # a run's cost in baseline runs: its batch over the baseline's (steps are fixed)
     cost = {name: sum(p.get(KEYS["batch"], base["batch"]) / base["batch"] for p in pts.values())
             for name, pts in plans.items()}
@@ -314,10 +319,10 @@ def main(argv=None) -> int:
                         "settings": {f"{m:g}": plans[n][m] for m in plans[n]},
                         "runs": {f"{m:g}": r for m, r in runs[n].items()}} for n in plans},
     }
-    (args.out / "sensitivity.json").write_text(json.dumps(result, indent=1))
+    (results / "sensitivity.json").write_text(json.dumps(result, indent=1))
     plot(summary, args.multipliers, f"{RECIPE}, {CONFIG}, {args.steps} steps, one change at a time "
          f"(seed {seed}): final eval loss\n{cpu}",
-         args.out / "sensitivity.png", base_losses)
+         figures / "sensitivity.png", base_losses)
     print(f"baseline eval loss {summary['baseline_mean']:.4f}, seed spread {summary['baseline_spread']:.4f} "
           f"(seeds {' '.join(map(str, args.seeds))}); change per multiplier:")
     print("| hyperparameter | " + " | ".join(f"x{m:g}" for m in args.multipliers) + " | verdict | worst / spread |")
@@ -325,7 +330,7 @@ def main(argv=None) -> int:
         cells = ["failed" if d is None else f"{d:+.4f}" for d in h["deltas"].values()]
         ratio = "-" if h["ratio_to_spread"] is None else f"{h['ratio_to_spread']:.1f}x"
         print(f"| {n} | " + " | ".join(cells) + f" | {h['verdict']} | {ratio} |")
-    print(f"wrote {args.out / 'sensitivity.json'} and {args.out / 'sensitivity.png'} "
+    print(f"wrote {results / 'sensitivity.json'} and {figures / 'sensitivity.png'} "
           f"(runs {result['runs_s'] / 60:.1f} min, this call {result['this_call_s'] / 60:.1f} min)")
     return 0
 

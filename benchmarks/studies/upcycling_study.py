@@ -1,6 +1,7 @@
 """Upcycling study: continue a dense model dense, or upcycle it into an MoE and train that.
 
-    python -m benchmarks.studies.upcycling_study --out docs/studies/upcycling     # 2 CPU cores: ~6 min
+    python -m benchmarks.studies.upcycling_study                 # 2 CPU cores: ~6 min
+    python -m benchmarks.studies.upcycling_study --out DIR       # the table, JSON and plots all in DIR
 
 1. ``recipes/tiny_dense.yaml`` (1.6M parameters, ffn 256) trains ``--dense-steps`` steps.
 2. From its last checkpoint, three arms train ``--steps`` more steps each, all with a fresh
@@ -14,11 +15,14 @@
      cut into 2 halves, 4 copies of each, top-2: the dense model's active size, but a token sees
      two of the eight halves, so it does not start at the dense function.
 3. Prints a markdown table (first training loss of phase 2, on the same batch for every arm;
-   eval loss at every ``eval.every`` steps, same validation batches) and writes it with the plot
-   ``upcycling.png`` (``analysis/run_plots.plot_training``: loss and eval loss against the
-   global step, lr, grad norm, tokens/s), ``upcycling_vs_dense.png`` (eval loss, and each arm's
-   train loss minus the dense arm's on the same batch) and ``results.json`` into ``--out``. The runs go to
-   ``--work`` (default ``runs/upcycling_study``, which must not exist).
+   eval loss at every ``eval.every`` steps, same validation batches) and writes it as
+   ``upcycling.md`` with ``upcycling.json`` (every step's loss and every eval) into ``--results``
+   (default ``benchmarks/studies/results/``), and the plots ``upcycling.png``
+   (``analysis/run_plots.plot_training``: loss and eval loss against the global step, lr, grad
+   norm, tokens/s) and ``upcycling_vs_dense.png`` (eval loss, and each arm's train loss minus the
+   dense arm's on the same batch) into ``--figures`` (default ``docs/studies/img/``); ``--out DIR``
+   puts all four in DIR. The runs go to ``--work`` (default ``runs/upcycling_study``, which must
+   not exist).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import add_output_args, output_dirs
+
 REPO = Path(__file__).resolve().parents[2]
 
 ARMS = {   # name: (recipe, extra recipe overrides, upcycle flags or None for the dense control)
@@ -42,7 +48,7 @@ ARMS = {   # name: (recipe, extra recipe overrides, upcycle flags or None for th
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="where the table, plot and JSON go")
+    add_output_args(p, "studies", out=True)
     p.add_argument("--work", type=Path, default=REPO / "runs" / "upcycling_study",
                    help="where the runs go (must not exist)")
     p.add_argument("--config", default="ds_configs/zero1_fp32.json", help="DeepSpeed JSON of every run")
@@ -115,7 +121,7 @@ def main(argv=None) -> int:
     if args.work.exists():
         sys.exit(f"--work {args.work} exists; choose a new directory or delete it")
     args.work.mkdir(parents=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    results, figures = output_dirs(args, "studies")
     from analysis import run_plots
     from interop import hf
     from interop.consolidate import load_run_model
@@ -147,9 +153,9 @@ def main(argv=None) -> int:
     dense_train, dense_evals = run_plots.read_metrics(dense_dir)
     curves = {f"dense, steps 1-{N}": (dense_train, dense_evals)}
     curves.update({f"{n}, steps {N + 1}-{N + M}": (shifted(t), shifted(e)) for n, (t, e) in runs.items()})
-    run_plots.plot_training(curves, args.out)
-    (args.out / "training.png").replace(args.out / "upcycling.png")
-    plot_against_dense(runs, dense_evals, N, args.out)
+    run_plots.plot_training(curves, figures)
+    (figures / "training.png").replace(figures / "upcycling.png")
+    plot_against_dense(runs, dense_evals, N, figures)
 
     header = ("| step | " + " | ".join(f"{n} ({params[n][0] / 1e6:.2f}M, {params[n][1] / 1e6:.2f}M active)"
                                           for n in runs) + " |")
@@ -168,13 +174,13 @@ def main(argv=None) -> int:
                      + " | ".join(f"{e[i]['eval_loss']:.4f}" for _, e in runs.values()) + " |")
     table = "\n".join(lines)
     print(table)
-    (args.out / "results.md").write_text(table + "\n")
+    (results / "upcycling.md").write_text(table + "\n")
     result = {"dense_steps": N, "steps": M, "config": args.config, "params": params,
               "dense_phase1_eval": dense_evals,
               "arms": {n: {"train": [{"step": r["step"], "loss": r["loss"]} for r in t],
                        "eval": e} for n, (t, e) in runs.items()}}
-    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}/: upcycling.png, upcycling_vs_dense.png, results.md, results.json",
+    (results / "upcycling.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {figures}/: upcycling.png, upcycling_vs_dense.png; {results}/: upcycling.md, upcycling.json",
           file=sys.stderr)
     return 0
 

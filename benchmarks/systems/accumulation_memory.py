@@ -3,7 +3,7 @@ accumulation 1, 4 x 2 and 1 x 8 (the same 8 sequences per step), through the tra
 beside the memory estimator's figure for each.
 
     OMP_NUM_THREADS=1 python -m benchmarks.systems.accumulation_memory          # CPU, 1 process, 20-30 s
-    python -m benchmarks.systems.accumulation_memory --splits 8x1,2x4 --steps 4 --json /tmp/acc.json --plot ''
+    python -m benchmarks.systems.accumulation_memory --splits 8x1,2x4 --steps 4 --json acc.json --plot ''
 
 Hardware: one CPU process (or one GPU); no launcher. Each split is the trainer's run of the
 recipe (default: tiny Mixtral, 2.82M parameters, 128 tokens per sequence) under ``--config``
@@ -40,7 +40,6 @@ import argparse
 import datetime
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.peers.fsdp2_vs_zero3 import PeakMemory, step_batches
+from training.run.host import cpu_name
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,17 +150,6 @@ def _step(stepper, step: int, batches) -> float:
     row, _ = stepper.train_step(step, batches[step - 1])
     assert "skipped" not in row, row
     return row["loss"]
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def header(args) -> str:

@@ -1,6 +1,6 @@
 """Activation checkpointing: the memory each policy saves against the time its recompute costs.
 
-Hardware: any CPU (results in docs/PERFORMANCE.md are from a 2-core CPU) or one CUDA GPU.
+Hardware: any CPU (results in docs/performance/activation-recompute.md are from a 2-core CPU) or one CUDA GPU.
 Launch:   python -m benchmarks.systems.activation_checkpointing                 # CPU fp32, ~1-2 min
           python -m benchmarks.systems.activation_checkpointing --device cuda --dtype bf16 --json ac.json
 

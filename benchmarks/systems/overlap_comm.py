@@ -5,7 +5,7 @@ launch (each rank runs the four trainings one after the other in one process gro
     RANK=r WORLD_SIZE=2 LOCAL_RANK=0 ... python -m benchmarks.systems.overlap_comm --backend cuda:gloo \\
         --recipe recipes/dense_125m.yaml --config ds_configs/zero1.json --steps 12
     # CPU (the rehearsal):
-    python -m torch.distributed.run --nproc_per_node 2 benchmarks/systems/overlap_comm.py --backend gloo \\
+    python -m torch.distributed.run --nproc_per_node 2 -m benchmarks.systems.overlap_comm --backend gloo \\
         --recipe recipes/tiny_dense.yaml --config ds_configs/zero1_fp32.json --steps 4
 
 ``overlap_comm`` reduces each gradient bucket on a CUDA stream of its own while backward goes

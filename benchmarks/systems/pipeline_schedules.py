@@ -1,11 +1,15 @@
 """Pipeline schedules through the trainer: 1F1B, GPipe and ZB-H1 on DeepSpeed's engine, measured
 per instruction, side by side in one run.
 
-Hardware: any CPU (docs/PERFORMANCE.md: the 2-core machine named there).
-Launch:   OMP_NUM_THREADS=1 python benchmarks/pipeline_schedules.py --json benchmarks/systems/results/pipeline_schedules.json \
-              --plot docs/studies/img/pipeline_timelines.png      # p 2 4, m 4 8: 12 runs, ~9 min
-          python benchmarks/pipeline_schedules.py --table benchmarks/systems/results/pipeline_schedules.json   # reprint
-          python benchmarks/pipeline_schedules.py --stages 2 --micro-batches 4 --steps 3 --json r.json
+Hardware: any CPU (docs/performance/pipeline-schedules.md: the 2-core machine named there).
+Launch:   OMP_NUM_THREADS=1 python -m benchmarks.systems.pipeline_schedules --json --plot   # p 2 4, m 4 8: 12 runs, ~9 min
+          python -m benchmarks.systems.pipeline_schedules --table      # the saved results' table again
+          python -m benchmarks.systems.pipeline_schedules --stages 2 --micro-batches 4 --steps 3 --json r.json
+          (``python benchmarks/pipeline_schedules.py`` runs the same, kept at that path.)
+
+``--json``, ``--table`` and ``--plot`` take a file; alone, ``--json`` and ``--table`` name
+``benchmarks/systems/results/pipeline_schedules.json`` and ``--plot``
+``docs/studies/img/pipeline_timelines.png``. Without ``--json`` or ``--plot`` nothing is written.
 
 Each (p, m, schedule) is one ``launch/train.py`` run under torchrun on p gloo ranks (one
 pipeline stage each, ``parallel.pipeline_schedule``), fp32 ZeRO-1, a dense model of
@@ -46,6 +50,8 @@ SCHEDULES = ("1f1b", "gpipe", "zb-h1")
 COMPUTE = ("ForwardPass", "BackwardPass", "BackwardInputPass", "WeightPass")
 SENDS = {"SendActivation": ("act", +1), "SendGrad": ("grad", -1)}
 RECVS = {"RecvActivation": ("act", -1), "RecvGrad": ("grad", +1)}
+RESULTS = "benchmarks/systems/results/pipeline_schedules.json"    # from the repository root
+FIGURE = "docs/studies/img/pipeline_timelines.png"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,9 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=8, help="transformer blocks, split evenly")
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first untimed)")
-    p.add_argument("--json", default=None, help="write the result rows to this file")
-    p.add_argument("--plot", default=None, help="write the timelines of the largest p and m to this PNG")
-    p.add_argument("--table", default=None, help="print (and --plot) a saved --json instead of running")
+    p.add_argument("--json", nargs="?", const=RESULTS, default=None, metavar="FILE",
+                   help=f"write the result rows to FILE (alone: {RESULTS})")
+    p.add_argument("--plot", nargs="?", const=FIGURE, default=None, metavar="FILE",
+                   help=f"write the timelines of the largest p and m to this PNG (alone: {FIGURE})")
+    p.add_argument("--table", nargs="?", const=RESULTS, default=None, metavar="FILE",
+                   help=f"print (and --plot) a saved --json instead of running (alone: {RESULTS})")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)   # as a torchrun rank
     return p.parse_args(argv)
 

@@ -51,7 +51,7 @@ class ParallelDims:
     sp: bool = False
     """Sequence parallelism over the tp ranks (``parallel.sequence_parallel``)."""
     world_size: int | None = None
-    """Processes in the job; data parallelism takes what tp x ep x pp leaves."""
+    """Processes in the job; data parallelism takes what tp x ep x cp x pp leaves."""
     model: ModelShape | None = None
     """The model the degrees must divide."""
     seq_len: int | None = None

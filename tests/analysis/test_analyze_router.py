@@ -1,4 +1,4 @@
-"""``launch/analyze_router.py`` and ``analysis/router.py``.
+"""``launch/analyze_router.py`` and ``analysis/router_report.py``.
 
 On a real run (one tiny Mixtral run of ``launch/train.py``, 1 process, 10 steps, checkpoints at
 steps 5 and 10): the tool's per-layer counts sum to top_k x tokens and equal an independent
@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from analysis import router
+from analysis import router_report as router
 from launch import analyze_router
 from tests.runs import REPO, python, shared_launcher
 

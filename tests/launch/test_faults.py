@@ -158,21 +158,3 @@ def test_bad_input_is_not_restarted(tmp_path):
     log = (tmp_path / "bad.log").read_text()
     assert log.count("+ torchrun ") == 1 and "not restarted" in log, log[-3000:]
     assert "error: --steps: 0 must be >= 1" in log and not run_dir.exists()
-
-
-def test_the_short_soak_survives_every_fault_and_loses_no_step(tmp_path):
-    """``benchmarks/reliability/fault_soak.py``, its short version: 3 random faults (seed 0) on DP2."""
-    import subprocess
-    import sys
-
-    from tests.runs import REPO
-    out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.reliability.fault_soak", "--layouts", "dp2",
-                           "--faults", "3", "--seed", "0", "--work", str(tmp_path / "work"),
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    [result] = json.loads(out.read_text())
-    assert (result["tried"], result["survived"], result["complete"]) == (3, 3, True), result
-    assert result["max_rel_diff"] <= 1e-6 and all(f["ok"] for f in result["faults"]), result
-    assert "| dp2 (" in proc.stdout and "| 3 | 3 |" in proc.stdout, proc.stdout

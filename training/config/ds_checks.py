@@ -282,7 +282,8 @@ def validate_ds_config(cfg: dict, dp_size: int) -> dict:
 
     Args:
         cfg: the parsed JSON (not modified).
-        dp_size: the data-parallel size (DeepSpeed's `world_size`: all ranks / (TP x PP)).
+        dp_size: the data-parallel size, dp = world_size / (tp x ep x cp x pp) (the ranks that
+            load different samples; DeepSpeed's own group is dp x cp).
 
     Returns:
         A deep copy with `train_batch_size` and `gradient_accumulation_steps` filled in.

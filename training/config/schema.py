@@ -37,7 +37,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule); DeepSpeed allows only ZeRO-0/1 with it."""
     pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1"] = "1f1b"
-    """1f1b (DeepSpeed's TrainSchedule) or gpipe (all forwards, then all backwards); zb-h1 is not available yet."""
+    """1f1b (DeepSpeed's TrainSchedule), gpipe (all forwards, then all backwards) or zb-h1 (zero-bubble H1: weight gradients deferred to the cool-down, fp32 only; training/engine/pipe_schedules.py)."""
     sequence_parallel: bool = False
     """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
     context_parallel_size: int = 1
@@ -139,7 +139,7 @@ class TokenizerConfig:
     vocab_size: int | None = None
     """Vocabulary of the trained BPE; null = model.vocab_size (must be <= model.vocab_size)."""
     train_bytes: int = 8_000_000
-    """Corpus bytes the BPE is trained on (the first bytes of the training split)."""
+    """Raw-text bytes the BPE is trained on, sampled over the whole of the raw entries."""
 
     def __post_init__(self) -> None:
         check_int("tokenizer.vocab_size", self.vocab_size, 1, optional=True)

@@ -1,8 +1,8 @@
 """The model at this rank's layout and the DeepSpeed engine around it.
 
 ``build_model``: the ``Transformer`` (every layout from the same full weights), its pipeline form
-(``pipeline.py``) with pipeline stages, partitioned over dp as it is built under ZeRO-3
-(``sharded_build.py``), blocks compiled when asked (``compile.py``). ``build_engine``:
+(``pipeline.py``) with pipeline stages, partitioned over dp x cp (DeepSpeed's data-parallel group)
+as it is built under ZeRO-3 (``sharded_build.py``), blocks compiled when asked (``compile.py``). ``build_engine``:
 ``deepspeed.initialize`` with the trainer's parameter groups, optimizer and schedule
 (``training/optim/``), and the process groups DeepSpeed reduces over.
 """
@@ -26,7 +26,7 @@ def build_model(recipe, init_from: Path | None, groups: ParallelGroups,
                 ds: dict | None = None, eos_token_id: int | None = None) -> Transformer:
     """The model at this rank's layout; every layout starts from the same full weights. With
     pipeline stages, this rank's layers of a ``training.engine.pipeline.TransformerPipe``. Under ZeRO-3
-    (``ds``, the run's DeepSpeed JSON) partitioned over dp as it is built, so that no rank ever
+    (``ds``, the run's DeepSpeed JSON) partitioned over dp x cp as it is built, so that no rank ever
     holds the whole model (``training/engine/sharded_build.py``). With ``data.document_masking`` the
     tokenizer's ``eos_token_id`` separates the documents (``model/document_mask.py``). With
     ``parallel.shared_expert_overlap`` the shared experts run while the dispatch is in flight."""

@@ -35,8 +35,9 @@ for every floating-point input of a stage and asserts that it exists, so both su
 the graph: the embedding creates them as zeros derived from its output, and the loss uses them
 even for dense models (times 0).
 
-Exactness (the same objective as without a pipeline): the non-pipeline trainer back-propagates, per micro-batch,
-``(ce_sum + mtp) * dp / step_tokens + router_loss / gas``. DeepSpeed's pipeline divides the last stage's
+Exactness (the same objective as without a pipeline): without cp (cp = 1; below for cp > 1) the
+non-pipeline trainer back-propagates, per micro-batch, ``(ce_sum + mtp) * dp / step_tokens +
+router_loss / gas``. DeepSpeed's pipeline divides the last stage's
 loss by the accumulation steps (``engine.backward`` with ``scale_wrt_gas=True``) and averages
 gradients over data-parallel ranks, so ``PipelineLoss`` returns
 ``(ce_sum + mtp) * (dp * gas / step_tokens) + router_loss``: the same gradient, up to fp32 summation
@@ -73,7 +74,7 @@ DeepSpeed's default of cutting the stage output over the 'model' axis for the se
 (``pipe_partitioned``) is switched off (``pipeline_ds_config``). Gradient norm: DeepSpeed's
 ZeRO-1 norm (grid as mpu) counts a gradient when its parameter is marked
 ``tensor_model_parallel`` or the rank's 'model' coordinate is 0, skips ``ds_pipe_replicated``
-tied copies and sums over dp and pipe x model: with our marking, every shard once.
+tied copies and sums over the data axis (dp x cp) and pipe x model: with our marking, every shard once.
 Proven against the single-process control in tests/parallel/test_pipeline_layouts.py.
 """
 

@@ -50,7 +50,8 @@ def build_partitioned(cfg, groups: ParallelGroups, ds: dict, seed: int,
 
     Args:
         cfg: the model config.
-        groups: the job's groups; ZeRO partitions over ``dp`` (tp x ep is DeepSpeed's ``mpu``).
+        groups: the job's groups; ZeRO partitions over dp x cp (``get_data_parallel_group``; tp x ep
+            is DeepSpeed's ``mpu``).
         ds: the DeepSpeed JSON as ``deepspeed.initialize`` gets it (dtype, ZeRO settings).
         seed: init seed (the same full weights as every other layout).
         init_from: optional init dir (``--init-from``) whose full weights are loaded instead,
@@ -65,7 +66,7 @@ def build_partitioned(cfg, groups: ParallelGroups, ds: dict, seed: int,
         raise ValueError("zero_optimization: offload_param to nvme and zero_hpz_partition_size > 1 "
                          "are not supported by the partitioned build (training/engine/sharded_build.py): "
                          "offload to cpu, or leave zero_hpz_partition_size at 1")
-    # mpu: DeepSpeed checks the JSON's batch sizes against our dp size.
+    # mpu: DeepSpeed checks the JSON's batch sizes against dp x cp.
     with deepspeed.zero.Init(config_dict_or_path=ds, mpu=groups,
                              data_parallel_group=groups.get_data_parallel_group()):
         model = Transformer(cfg, groups, init_seed=None)

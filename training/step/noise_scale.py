@@ -14,7 +14,7 @@ bias-corrected exponential moving averages (``gradient_noise_scale``), as the pa
 Where the two norms come from, at no extra communication:
 
 - ``|G_small|``: with accumulation >= 2, after the first micro-batch's backward ``param.grad``
-  holds that micro-batch's gradient on this rank; the loss was ``ce_sum * dp / step_tokens``
+  holds that micro-batch's gradient on this rank; the loss was ``ce_sum * dp * cp / step_tokens``
   (``Stepper._forward``), so ``.grad = G_small / gas`` with ``G_small`` the mean-token gradient
   of ``B_small = micro-batch x seq_len`` tokens. Its squared norm is taken on the device and
   rides in the step's statistics all-reduce (the mean over data-parallel ranks: more samples of

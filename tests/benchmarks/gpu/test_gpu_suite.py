@@ -160,7 +160,7 @@ def test_figures_refuse_a_run_that_did_not_start(tmp_path):
 
 def test_nccl_check_at_world_size_one_reports_no_bus_bandwidth():
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                          "benchmarks/gpu/nccl_check.py", "--backend", "gloo", "--device", "cpu", "--mb", "4",
+                          "-m", "benchmarks.gpu.nccl_check", "--backend", "gloo", "--device", "cpu", "--mb", "4",
                           "--rounds", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "world 1): values ok" in out.stdout and "bus bandwidth: n/a at world size 1" in out.stdout
@@ -170,7 +170,7 @@ def test_nccl_check_sweeps_sizes_with_bus_bandwidth():
     """Two gloo ranks on the CPU: every size from 32 KB to --mb (x4) timed, with a bus bandwidth
     (there is a link between two ranks) and no planner figure (not a GPU it knows)."""
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "benchmarks/gpu/nccl_check.py", "--backend", "gloo", "--device", "cpu", "--mb", "2",
+                          "-m", "benchmarks.gpu.nccl_check", "--backend", "gloo", "--device", "cpu", "--mb", "2",
                           "--rounds", "2", "--sweep"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and " MB |" in line]

@@ -1,7 +1,7 @@
 """``benchmarks/peers/end_to_end.py`` on the tiny recipe: the side-by-side table (both
 implementations, every phase column, the ratio line) from a 3-step run, and ``--op-profile``'s
 per-op tables for both models. A smoke test of the script's plumbing: its timings are not
-asserted (speed claims live in docs/PERFORMANCE.md, from the script's own output)."""
+asserted (speed claims live in docs/performance/end-to-end.md, from the script's own output)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (the script itself asserts that DeepSpeed built the optimizer each row asks for: torch's AdamW
 with ``foreach`` / ``fused``, ``DeepSpeedCPUAdam`` under offload), and the losses of the four
 runs agree. A smoke test of the plumbing: timings are not asserted (the
-figures live in docs/PERFORMANCE.md, from the script's own output).
+figures live in docs/performance/optimizer-step.md, from the script's own output).
 
 Tolerance: the implementations differ only in the rounding of the update, so after 2 updates
 the losses agree to float32 rounding (1.1e-7 relative measured on 4 steps); 1e-5 leaves room

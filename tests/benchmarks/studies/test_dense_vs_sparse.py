@@ -107,11 +107,7 @@ def test_plots_draw_the_curves(study, tmp_path):
     (["--steps", "3", "--seeds", "-1"], "--seeds -1: must be >= 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import dense_vs_sparse as bench
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks.studies import dense_vs_sparse as bench
     assert bench.main([*args, "--out", str(tmp_path / "out")]) == 2
     line, = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: ") and message in line, line

@@ -15,7 +15,8 @@ from tests.runs import python
 
 def test_the_mtp_study_runs_short(tmp_path):
     out = tmp_path / "mtp"
-    done = python("-m", "benchmarks.studies.mtp_study", "--out", str(out), "--steps", "8", "--seeds", "1",
+    done = python("-m", "benchmarks.studies.mtp_study", "--out", str(out), "--results", str(out), "--figures",
+                  str(out), "--steps", "8", "--seeds", "1",
                   "--depths", "0", "1", "--eval-every", "4", "--eval-batches", "2", timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (out / "mtp.png").stat().st_size > 10_000

@@ -63,7 +63,8 @@ def test_coupled_l2_and_the_no_decay_group_options():
 
 
 def test_no_warmup_loses_to_warmup_at_the_high_lr(tmp_path):
-    done = python("-m", "benchmarks.studies.optimizer_studies", "--study", "warmup", "--out", str(tmp_path), "--steps", "60",
+    done = python("-m", "benchmarks.studies.optimizer_studies", "--study", "warmup", "--out", str(tmp_path),
+                  "--results", str(tmp_path), "--figures", str(tmp_path), "--steps", "60",
                   "--seeds", "1", "--variants", "lr0.003-w0", "lr0.003-w0.1", timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (tmp_path / "lr_warmup.png").stat().st_size > 10_000

@@ -34,11 +34,12 @@ T, H, E = 64, 32, 8
 
 def _study(tmp_path, loss: str, steps: int, coefs: list[str]) -> dict:
     out = tmp_path / loss
-    done = python("-m", "benchmarks.studies.router_loss_study", "--loss", loss, "--out", str(out), "--steps",
-                  str(steps), "--coefs", *coefs, "--seeds", "1", timeout=600)
+    done = python("-m", "benchmarks.studies.router_loss_study", "--loss", loss, "--out", str(out), "--results",
+                  str(out), "--figures", str(out), "--steps", str(steps), "--coefs", *coefs, "--seeds", "1",
+                  timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (out / f"router_{loss}_loss.png").stat().st_size > 10_000
-    return json.loads((out / "summary.json").read_text())["summary"]
+    return json.loads((out / f"router_{loss}_loss.json").read_text())["summary"]
 
 
 def test_the_router_losses_move_what_they_should(tmp_path):
@@ -109,10 +110,11 @@ def test_b_the_fp32_router_is_the_default_and_unchanged():
 def test_c_the_precision_study_runs_short(tmp_path):
     out = tmp_path / "precision"
     done = python("-m", "benchmarks.studies.router_loss_study", "--study", "precision", "--out", str(out),
-                  "--steps", "6", "--also", "0", "--seeds", "1", timeout=600)
+                  "--results", str(out), "--figures", str(out), "--steps", "6", "--also", "0", "--seeds", "1",
+                  timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert (out / "router_precision.png").stat().st_size > 10_000
-    written = json.loads((out / "summary.json").read_text())
+    written = json.loads((out / "router_precision.json").read_text())
     assert written["grid"] == {"model.moe.router_dtype": ["fp32", "bf16"], "model.moe.z_loss_coef": ["0"]}
     summary = written["summary"]
     assert list(summary) == ["fp32 z=0", "bf16 z=0"], summary

@@ -7,14 +7,10 @@ seed spread, the summary of a run's metrics, the plot, and bad input."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from tests.runs import REPO
-
-sys.path.insert(0, str(REPO / "benchmarks"))
-import sensitivity_study as study  # noqa: E402
+from benchmarks.studies import sensitivity_study as study
 
 BASE = {"lr": 6e-4, "warmup": 5, "weight_decay": 0.1, "beta2": 0.95, "beta1": 0.9, "init_std": 0.02,
         "batch": 6, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "capacity_factor": 1.25,

@@ -50,8 +50,7 @@ def test_peak_memory_falls_with_the_micro_batch_at_equal_losses(tmp_path):
 
 
 def test_bad_splits_are_one_line_and_exit_2(capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import accumulation_memory
+    from benchmarks.systems import accumulation_memory
     assert accumulation_memory.main(["--splits", "8x1,4x1"]) == 2        # 8 vs 4 sequences per step
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--splits" in err and "same" in err, err

@@ -1,6 +1,6 @@
 """benchmarks/systems/cpu_allocator.py: alternates the two settings, hands the tuned thresholds to the
 child only in its tuned runs, and prints its table (the figures are measured by hand: see
-docs/PERFORMANCE.md)."""
+docs/performance/cpu-allocator.md)."""
 
 from __future__ import annotations
 
