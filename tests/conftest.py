@@ -22,3 +22,32 @@ def warm_launcher():
     """This pytest process's warm launcher (``tests.runs.WarmLauncher``): its server imports
     torch, DeepSpeed and transformers once, and every launch forks its ranks from it."""
     return shared_launcher()
+
+
+def _worktree_changes() -> set[str] | None:
+    """``git status --porcelain`` of the checkout, one entry per path (None outside a checkout)."""
+    import subprocess
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True,
+                             text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return set(out.stdout.splitlines()) if out.returncode == 0 else None
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):      # the controller (or a run without xdist)
+        session.config._worktree_before = _worktree_changes()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite writes nothing into the checkout: a test that runs a study or benchmark with its
+    default outputs would overwrite the committed results and figures."""
+    before = getattr(session.config, "_worktree_before", None)
+    after = _worktree_changes() if before is not None else None
+    if after is not None and after - before:
+        written = ", ".join(sorted(line[3:] for line in after - before))
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"error: the tests wrote into the checkout: {written}", red=True)
+        session.exitstatus = 1

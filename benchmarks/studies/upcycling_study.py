@@ -1,6 +1,6 @@
 """Upcycling study: continue a dense model dense, or upcycle it into an MoE and train that.
 
-    python -m benchmarks.studies.upcycling_study                 # 2 CPU cores: ~6 min
+    python -m benchmarks.studies.upcycling_study                 # 2 CPU cores: about 3.5 min
     python -m benchmarks.studies.upcycling_study --out DIR       # the table, JSON and plots all in DIR
 
 1. ``recipes/tiny_dense.yaml`` (1.6M parameters, ffn 256) trains ``--dense-steps`` steps.

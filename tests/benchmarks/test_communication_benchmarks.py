@@ -12,12 +12,13 @@ from tests.runs import python
 
 def test_grad_compression_study_short(tmp_path):
     done = python("-m", "benchmarks.studies.grad_compression_study", "--out", str(tmp_path), "--steps", "22",
-                  "--models", "dense", "--settings", "none,powersgd-r4", "--seeds", "1", timeout=600)
+                  "--models", "dense", "--settings", "none,powersgd-r4", "--seeds", "1",
+                  "--results", str(tmp_path), "--figures", str(tmp_path), timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "grad_compression.json").read_text())
     none, r4 = summary["dense/none"], summary["dense/powersgd-r4"]
     assert none["gap_to_none_pct"] == 0 and r4["exchange_bytes"] * 8 <= none["exchange_bytes"]
-    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "grad_compression_loss.png").stat().st_size > 10_000
     assert "ETA" in done.stdout
 
 

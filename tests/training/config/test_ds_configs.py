@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from training.run.spawn import free_port
+from training.config import ds_checks as dsk
 from training.config import ds_config as dsc
 from training.optim.optimizers import apply_lr_scaling, maybe_build_client_optimizer
 from training.optim.schedules import (DEEPSPEED_SCHEDULERS, OUR_SCHEDULERS, build_scheduler, resolve_auto, split_scheduler)
@@ -40,7 +41,7 @@ class _FakeMpu:
 
 def _prepare(path, dp_size, total_steps=200):
     """The trainer's path from a file to the dict handed to deepspeed.initialize."""
-    cfg = dsc.validate_ds_config(dsc.load_ds_config(str(path)), dp_size)
+    cfg = dsk.validate_ds_config(dsc.load_ds_config(str(path)), dp_size)
     cfg = resolve_auto(apply_lr_scaling(cfg), total_steps)
     return split_scheduler(cfg)
 
@@ -126,11 +127,11 @@ def test_copied_lists_match_deepspeed():
     from deepspeed.runtime import config as ds_config_module
     from deepspeed.runtime import lr_schedules
 
-    assert tuple(ds_config_module.DEEPSPEED_OPTIMIZERS) == dsc.DEEPSPEED_OPTIMIZERS
-    assert set(ds_config_module._REMOVED_TOP_LEVEL_CONFIG_KEYS) == set(dsc.REMOVED_TOP_LEVEL_KEYS)
-    assert set(ds_config_module._REMOVED_ZERO_CONFIG_KEYS) == set(dsc.REMOVED_ZERO_KEYS)
+    assert tuple(ds_config_module.DEEPSPEED_OPTIMIZERS) == dsk.DEEPSPEED_OPTIMIZERS
+    assert set(ds_config_module._REMOVED_TOP_LEVEL_CONFIG_KEYS) == set(dsk.REMOVED_TOP_LEVEL_KEYS)
+    assert set(ds_config_module._REMOVED_ZERO_CONFIG_KEYS) == set(dsk.REMOVED_ZERO_KEYS)
     assert tuple(lr_schedules.VALID_LR_SCHEDULES) == DEEPSPEED_SCHEDULERS
-    for name, params in dsc.DEEPSPEED_SCHEDULER_PARAMS.items():
+    for name, params in dsk.DEEPSPEED_SCHEDULER_PARAMS.items():
         signature = inspect.signature(getattr(lr_schedules, name)).parameters
         assert set(signature) - {"optimizer", "last_batch_iteration"} == set(params), name
 
@@ -200,26 +201,26 @@ def test_validation_errors(mutate, pattern):
     cfg = _base()
     mutate(cfg)
     with pytest.raises(ValueError, match=pattern) as info:
-        dsc.validate_ds_config(cfg, 2)
+        dsk.validate_ds_config(cfg, 2)
     assert "\n" not in str(info.value) and "(" in str(info.value)  # one line, with a fix
 
 
 def test_validation_accepts_and_derives():
     cfg = _base()
     cfg["train_batch_size"] = 16
-    assert dsc.validate_ds_config(cfg, 2)["train_batch_size"] == 16
+    assert dsk.validate_ds_config(cfg, 2)["train_batch_size"] == 16
     only_total = {"train_batch_size": 32, "gradient_accumulation_steps": 2}
-    assert dsc.validate_ds_config(only_total, 4)["train_micro_batch_size_per_gpu"] == 4
+    assert dsk.validate_ds_config(only_total, 4)["train_micro_batch_size_per_gpu"] == 4
     no_accumulation = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}
-    assert dsc.validate_ds_config(no_accumulation, 2)["gradient_accumulation_steps"] == 4
+    assert dsk.validate_ds_config(no_accumulation, 2)["gradient_accumulation_steps"] == 4
     opted_in = _base()
     opted_in.update(optimizer={"type": "Lamb", "params": {"lr": 1e-3}}, zero_allow_untested_optimizer=True)
-    dsc.validate_ds_config(opted_in, 1)
+    dsk.validate_ds_config(opted_in, 1)
     torch_sched = _base()
     torch_sched["scheduler"] = {"type": "StepLR", "params": {"step_size": 10, "gamma": 0.5}}
-    dsc.validate_ds_config(torch_sched, 1)
+    dsk.validate_ds_config(torch_sched, 1)
     with pytest.raises(ValueError, match="dp_size"):
-        dsc.validate_ds_config(_base(), 0)
+        dsk.validate_ds_config(_base(), 0)
 
 
 def test_load_errors(tmp_path):

@@ -28,7 +28,7 @@ def not_here(*args, **kwargs):
 
 build.load_tokenizer = slow_on_rank0
 if os.environ.get("RANK") != "0":
-    build.sources.training_sample = build.sources.prepare_raw = not_here
+    build.streams.training_sample = build.streams.prepare_raw = not_here
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))
