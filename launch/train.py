@@ -23,7 +23,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from planning import oom  # noqa: E402
-from training.resilience.watchdog import is_peer_lost  # noqa: E402
 from training.run.distributed import exit_now  # noqa: E402
 from training.run.trainer import Run  # noqa: E402
 
@@ -60,9 +59,7 @@ def main(argv=None) -> int:
         if oom.is_out_of_memory(err):
             print(oom.report(err, run.plan, args, run.where), file=sys.stderr)   # <run-dir>/oom_report.md
             return oom.EXIT_CODE
-        if is_peer_lost(err) and run.watchdog is not None:      # a collective whose peer went away
-            return run.watchdog.peer_lost(err)
-        raise
+        raise                                        # (a lost peer is named and exits 76 inside run.train)
 
 
 if __name__ == "__main__":

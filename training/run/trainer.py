@@ -80,6 +80,16 @@ class Run:
             code = self.loop()
             self.finish()
             return code
+        except RuntimeError as err:
+            if not watchdog.is_peer_lost(err):
+                raise
+            # A collective failed because a peer went away: name it now, while the heartbeats
+            # run and the preemption handlers are in place. torchrun sends this rank SIGTERM as
+            # soon as it sees the other one gone; recorded (not announced) instead of fatal, it
+            # cannot cut the survey and its one line short.
+            if self.signals is not None:
+                self.signals.announce = False
+            return self.watchdog.peer_lost(err)
         finally:
             # The preemption handlers stay until here: a launcher's SIGTERM during a preempted
             # run's teardown (torchrun ends the other ranks once one has exited 75) is recorded,
