@@ -45,8 +45,11 @@ def pytest_sessionfinish(session, exitstatus):
     default outputs would overwrite the committed results and figures."""
     before = getattr(session.config, "_worktree_before", None)
     after = _worktree_changes() if before is not None else None
-    if after is not None and after - before:
-        written = ", ".join(sorted(line[3:] for line in after - before))
+    # A source file edited while the suite runs is someone's work, not the suite's output.
+    new = {line for line in (after or set()) - (before or set())
+           if line.startswith("??") or not line.endswith((".py", ".sh"))}
+    if new:
+        written = ", ".join(sorted(line[3:] for line in new))
         writer = session.config.get_terminal_writer()
         writer.line()
         writer.line(f"error: the tests wrote into the checkout: {written}", red=True)

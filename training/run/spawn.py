@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
@@ -81,8 +81,18 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 300.0) -> None:
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, errors))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    # One thread per rank, as the ranks share the cores: set in the environment they start with,
+    # since a spawned child imports torch (unpickling ``fn``) before ``_worker`` runs.
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
     for p in procs:
         p.join(timeout)
     for p in procs:
