@@ -259,6 +259,53 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_one_warning(zero_runs, kill
         assert not list((ckpt / tag).glob("manifest.rank*")), tag
 
 
+def _without_defaults(section: dict, cls) -> dict:
+    """``section`` without every field that holds ``cls``'s default: what a writer that did not
+    know those fields yet would have written."""
+    import dataclasses
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+
+    def default(f):
+        value = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else object())
+        return json.loads(json.dumps(value, default=str))
+    return {k: v for k, v in section.items() if k not in fields or v != default(fields[k])}
+
+
+def test_a_run_directory_of_older_code_resumes_and_a_changed_model_is_refused(zero_runs, killed_after_7,
+                                                                               warm, tmp_path):
+    """``config.json`` as code of an earlier week wrote it: its model section without every field
+    at its default (the fields added since, ``attention``, ``mtp_depth``, ``moe.router_dtype``, the
+    MLA and YaRN keys among them, take defaults that leave the older model unchanged). The same
+    command resumes from step 6 and reproduces the uninterrupted run; the next field added cannot
+    strand a run either, since any field at its default is left out here."""
+    from model.config import CONFIG_CLASSES, MoEConfig
+    from training.config.recipe import load_recipe
+    run_dir, args = tmp_path / "older", ["train.save_every=3"]
+    shutil.copytree(killed_after_7, run_dir)
+    config = json.loads((run_dir / "config.json").read_text())
+    model = config["recipe"]["model"]
+    older = _without_defaults(model, CONFIG_CLASSES[model["family"]])
+    older["moe"] = _without_defaults(model["moe"], MoEConfig)
+    assert {"attention", "mtp_depth"} <= set(model) - set(older) and "router_dtype" not in older["moe"]
+    config["recipe"]["model"] = older
+    (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+    warm.launch(run_dir, "ds_configs/zero3_fp32.json", extra=args)     # the same command again
+    log = (tmp_path / "older.log").read_text()
+    assert f"resumed from {run_dir / 'checkpoints' / 'step00000006'}" in log, log[-3000:]
+    resumed, ref = rows(run_dir), rows(zero_runs[3])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(ref, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+    # A model that really differs is still another model, written in full or in the older form.
+    from training.run.preflight import same_model
+    recipe = load_recipe(None, SMALL)
+    assert same_model(older, recipe) and same_model(model, recipe)
+    for changed in ({**older, "num_layers": older["num_layers"] + 1}, {**older, "attention": "mla"},
+                    {**older, "moe": {**older["moe"], "router_dtype": "bf16"}}, {**older, "no_such_key": 1}):
+        assert not same_model(changed, recipe), changed
+
+
 FAULT_RUN = "tests/training/checkpoint/_save_fault_run.py"
 
 

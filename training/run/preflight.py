@@ -145,7 +145,19 @@ def check_run_dir(run_dir: Path, recipe: Recipe) -> None:
         raise ValueError(f"--run-dir {run_dir}: {blocker} is a file, not a directory (choose another path)")
     saved = run_dir / "config.json"
     if candidates(run_dir / "checkpoints") and saved.is_file():
-        old = read_run_config(run_dir)["recipe"]["model"]
-        if old != recipe.model.to_dict():
+        if not same_model(read_run_config(run_dir)["recipe"]["model"], recipe):
             raise ValueError(f"--run-dir {run_dir}: holds checkpoints of a different model; "
                              f"resume with the original recipe or choose a new --run-dir")
+
+
+def same_model(saved: dict, recipe: Recipe) -> bool:
+    """Whether a run directory's ``config.json`` model section is the recipe's model. The section
+    is rebuilt into a config first, so that fields added to the model since the run began (absent
+    from an older ``config.json``) take their defaults, which leave the older model unchanged: an
+    update of the repository never strands a run in progress. A key this code does not know, or a
+    value it refuses, is a different model."""
+    from model.config import config_from_dict
+    try:
+        return config_from_dict(saved) == recipe.model
+    except (ValueError, TypeError):
+        return False
