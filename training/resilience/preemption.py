@@ -10,6 +10,10 @@ host with the step's statistics), so that all of them save the same step and sto
 rank that stopped alone would leave the others waiting in the next step's collectives). A signal
 that comes after that point of a step stops the run after the next one. The run then exits with
 ``EXIT_CODE``; the same command resumes from that step.
+
+The handlers are in place from the start of ``Run.train``, before data preparation, the model
+build and a checkpoint load: a signal in start-up is recorded, and the run saves its first step
+and exits. SIGUSR1, the launch scripts' signal (``launch/common.sh``), is always among them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ import signal
 import sys
 
 EXIT_CODE = 75      # EX_TEMPFAIL: stopped on request, checkpoint saved, run the command again
+ALWAYS = ("SIGUSR1",)   # the launch scripts' preemption signal (launch/common.sh): never fatal
+
+
+def handled(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The signals a run handles: ``train.preemption_signals`` and SIGUSR1, which the launch
+    scripts send ahead of a preemption whatever the recipe lists."""
+    return tuple(dict.fromkeys((*names, *ALWAYS)))
 
 
 class Preemption:

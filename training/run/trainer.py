@@ -73,8 +73,14 @@ class Run:
         """The whole run under this rank's watchdog: ``setup``, ``loop``, ``finish``; returns the
         exit code."""
         plan = self.plan
-        self.watchdog = watchdog.Watchdog(plan.run_dir, int(os.environ.get("RANK", "0")),
-                                          plan.world_size, plan.recipe.train.hang_timeout_s, self.where)
+        rank = int(os.environ.get("RANK", "0"))
+        self.watchdog = watchdog.Watchdog(plan.run_dir, rank, plan.world_size,
+                                          plan.recipe.train.hang_timeout_s, self.where)
+        # Before anything that can take long (data preparation, the model build, a checkpoint
+        # load): a preemption signal then is recorded, and the run saves its first step and
+        # exits 75, instead of dying at once.
+        self.signals = preemption.Preemption(preemption.handled(plan.recipe.train.preemption_signals),
+                                             rank == 0)
         try:
             self.setup()
             code = self.loop()
@@ -176,7 +182,6 @@ class Run:
         self.tracker, self.progress = outputs.build_tracking(recipe, plan.run_dir, rank0,
                                                              self.start_step, config)
         tcfg = recipe.train
-        self.signals = preemption.Preemption(tcfg.preemption_signals, rank0)
         self.saver = Saver(self.engine, self.ckpt_dir, tcfg.keep_last, tcfg.async_save,
                            tcfg.on_save_error == "stop", progress=self.watchdog.beat,
                            wait_timeout_s=watchdog.startup_allowance(tcfg.hang_timeout_s))
