@@ -179,8 +179,7 @@ class TrainConfig:
     hang_timeout_s: float = 0.0
     """Seconds with no step done before every rank dumps stacks, exits 76; 0: 10x slowest, >= 300."""
     preemption_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
-    """Signals that make every rank finish its step, save, and exit 75, SIGUSR1 always among them
-    (the launch scripts send it; training/resilience/preemption.py)."""
+    """Signals that make every rank finish its step, save and exit 75; SIGUSR1 always (preemption.py)."""
     noise_scale: bool = True
     """Log the gradient noise scale where the layout allows it exactly (training/step/noise_scale.py)."""
     tf32: bool = False
