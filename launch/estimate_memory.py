@@ -8,9 +8,14 @@
                                      [--cluster NAME | --network-gbit-s GBPS] [--moe-imbalance X]
                                      [--gemm-fraction F]
                                      [--write-config PATH] [--json]
+    python launch/estimate_memory.py --checkpoint-interval --failures-per-node-day F [--nodes N]
+                                     (--run-dir D | --save-stall-s S --step-time-s T)
+                                     [--restart-s R] [--json]
 
 What the estimate counts and how the planner ranks layouts: ``planning/estimator.py``; the
-predicted step time (both modes) is ``planning/cost_model.py``'s, docs/planning.md. Bad
+predicted step time (both modes) is ``planning/cost_model.py``'s, docs/planning.md; the
+checkpoint interval (Young/Daly) is ``planning/checkpoint_interval.py``'s,
+docs/checkpoints.md#how-often-to-save. Bad
 inputs and layouts the trainer would refuse are one line on stderr, exit code 2. Estimates, not
 measurements: check the top choice with a short run (``mem_gb`` in metrics.jsonl).
 """
@@ -27,6 +32,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from planning import memory_model as mm  # noqa: E402
+from planning.checkpoint_interval import checkpoint_interval, format_interval  # noqa: E402
 from planning.estimator import estimate, launch_command, plan, step_time  # noqa: E402
 from planning.report import format_estimate, format_plan  # noqa: E402
 from planning.hardware import CLUSTERS, cluster  # noqa: E402
@@ -47,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override recipe keys, as train.py does")
     p.add_argument("--plan", action="store_true", help="enumerate layouts and rank those that fit")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (plan)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (plan, checkpoint interval)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per step (plan; default 4M tokens)")
     p.add_argument("--top", type=int, default=10, help="layouts to print (plan)")
@@ -62,6 +68,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the busiest expert-parallel rank's routed tokens over the mean (default 1)")
     p.add_argument("--write-config", default=None,
                    help="plan: write the best layout's DeepSpeed JSON here and use it in the command")
+    p.add_argument("--checkpoint-interval", action="store_true",
+                   help="the train.save_every that minimises the expected lost time (Young/Daly)")
+    p.add_argument("--failures-per-node-day", type=float, default=None,
+                   help="checkpoint interval: failures of one node per day")
+    p.add_argument("--run-dir", default=None,
+                   help="checkpoint interval: a run whose metrics.jsonl gives the save stall and step time")
+    p.add_argument("--save-stall-s", type=float, default=None,
+                   help="checkpoint interval: seconds one save stops training (else the run's median)")
+    p.add_argument("--step-time-s", type=float, default=None,
+                   help="checkpoint interval: seconds per step (else the run's median)")
+    p.add_argument("--restart-s", type=float, default=0.0,
+                   help="checkpoint interval: seconds each failure costs besides the work redone")
     p.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     return p.parse_args(argv)
 
@@ -69,6 +87,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        if args.checkpoint_interval:
+            result = checkpoint_interval(args.failures_per_node_day, args.nodes, args.save_stall_s,
+                                         args.step_time_s, args.run_dir, args.restart_s)
+            print(json.dumps(result, indent=1) if args.json else format_interval(result))
+            return 0
         if args.cluster is not None:
             if args.cluster not in CLUSTERS:
                 raise ValueError(f"--cluster {args.cluster!r} is unknown: choose one of "

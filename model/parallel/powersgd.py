@@ -34,6 +34,7 @@ the uninterrupted one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -60,7 +61,9 @@ def matrix_view(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
 class PowerSGD:
     """Averages the gradients of ``params`` over ``group`` (``world`` ranks) in place, compressed
     (see the module docstring). Call ``reduce`` once per optimizer step, after the last backward,
-    on every rank alike; a step that is not applied (skipped) must not call it.
+    on every rank alike; a step that is not applied (skipped) must not call it, or, when the skip
+    is decided after the exchange, must call ``reduce(tentative=True)`` and then ``rollback``
+    (``commit`` when applied), the same on every rank.
 
     Args:
         params: (name, parameter) pairs, in the same order on every rank.
@@ -71,14 +74,20 @@ class PowerSGD:
         error_feedback: keep what compression leaves out and add it to the next step's gradient.
         seed: Q's initial draw (the same on every rank).
         bucket_numel: elements per all-reduce of the uncompressed reductions.
+        member: this rank's index in ``group``.
+        member_rank: the global rank of the ``group`` member of index i, at any group size (with
+            the same model-parallel layout); names the checkpoint files ``load_other_world``
+            reads. None: i (one rank per member).
     """
 
     def __init__(self, params, group, world: int, rank: int = 4, start_steps: int = 10,
-                 error_feedback: bool = True, seed: int = 0, bucket_numel: int = 25_000_000):
+                 error_feedback: bool = True, seed: int = 0, bucket_numel: int = 25_000_000,
+                 member: int = 0, member_rank: Callable[[int], int] | None = None):
         if rank < 1 or start_steps < 0:
             raise ValueError(f"PowerSGD: rank {rank} must be >= 1 and start_steps {start_steps} >= 0")
         self.params = list(params)
         self.group, self.world, self.rank = group, world, rank
+        self.member, self.member_rank = member, member_rank or (lambda i: i)
         self.start_steps, self.error_feedback, self.seed = start_steps, error_feedback, seed
         self.bucket_numel = bucket_numel
         self.views = [matrix_view(p.shape, rank) for _, p in self.params]
@@ -86,6 +95,8 @@ class PowerSGD:
         self.q: list[torch.Tensor] | None = None       # (batch, m, r) per compressed tensor
         self.errors: list[torch.Tensor] | None = None  # (batch, n, m) per compressed tensor
         self.last_bytes = 0             # bytes this rank put into the all-reduces of the last reduce()
+        self._pending = None            # a tentative reduce()'s new (count, Q, errors)
+        self._spare: list[torch.Tensor] | None = None   # where a tentative reduce() writes its errors
 
     @property
     def compressing(self) -> bool:
@@ -122,47 +133,88 @@ class PowerSGD:
                 t.copy_(mean)
         return sent
 
-    def _start_state(self, grads: list[torch.Tensor]) -> None:
+    def _start_state(self, grads: list[torch.Tensor]) -> tuple[list, list]:
+        """Q's first draw (from ``seed``: the same on every rank) and zero errors."""
         gen = torch.Generator().manual_seed(self.seed)
-        self.q, self.errors = [], []
+        q, errors = [], []
         for g, view in zip(grads, self.views):
             if view is None:
                 continue
             batch, rows, cols = view
-            self.q.append(torch.randn(batch, cols, self.rank, generator=gen).to(g.device, g.dtype))
+            q.append(torch.randn(batch, cols, self.rank, generator=gen).to(g.device, g.dtype))
             if self.error_feedback:
-                self.errors.append(torch.zeros(batch, rows, cols, device=g.device, dtype=g.dtype))
+                errors.append(torch.zeros(batch, rows, cols, device=g.device, dtype=g.dtype))
+        return q, errors
 
     @torch.no_grad()
-    def reduce(self) -> None:
+    def reduce(self, tentative: bool = False) -> None:
         """Replace every ``.grad`` by its mean over the group: exactly for the uncompressed
-        tensors and steps, as P Q^T for the compressed ones."""
+        tensors and steps, as P Q^T for the compressed ones.
+
+        ``tentative``: the step may still be skipped after the exchange (a gradient-norm spike,
+        known only from the exchanged gradients): the new state (the count, Q and the errors)
+        is kept aside, and ``commit`` takes it or ``rollback`` drops it, leaving the state as
+        it was before this call; one of the two must come before the next ``reduce``. The new
+        errors then go into a second buffer (one more fp32 copy of the compressed gradients,
+        allocated on the first such step and reused)."""
+        if self._pending is not None:
+            raise RuntimeError("PowerSGD.reduce: the last tentative reduction was neither "
+                               "committed nor rolled back")
         grads = self._grads()
-        compress = self.compressing
-        self.reductions += 1
-        if not compress:
+        reductions = self.reductions + 1
+        if not self.compressing:
             self.last_bytes = self._mean(grads)
+            self._settle(tentative, reductions, self.q, self.errors)
             return
-        if self.q is None:
-            self._start_state(grads)
+        fresh = self.q is None          # the first compressed step: its start state is nobody's yet
+        q_old, e_old = self._start_state(grads) if fresh else (self.q, self.errors)
         mats, plain = [], []
         for g, view in zip(grads, self.views):
             (plain if view is None else mats).append(g if view is None else g.view(view))
         if self.error_feedback:
-            for m, e in zip(mats, self.errors):
+            for m, e in zip(mats, e_old):
                 m.add_(e)
-        ps = [torch.bmm(m, q) for m, q in zip(mats, self.q)]
+        ps = [torch.bmm(m, q) for m, q in zip(mats, q_old)]
         sent = self._mean(plain + ps)                           # the vectors and every P at once
         ps = [torch.linalg.qr(p).Q for p in ps]                 # orthonormal columns, batched
         qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, ps)]
         sent += self._mean(qs)
+        e_new = e_old                   # overwritten in place: committed now, or fresh zeros
+        if self.error_feedback and tentative and not fresh:
+            if self._spare is None:
+                self._spare = [torch.empty_like(e) for e in e_old]
+            e_new = self._spare         # aside: e_old stays what rollback() leaves
         for i, (m, p, q) in enumerate(zip(mats, ps, qs)):
-            self.q[i].copy_(q)
             approx = torch.bmm(p, q.transpose(1, 2))
             if self.error_feedback:
-                torch.sub(m, approx, out=self.errors[i])
+                torch.sub(m, approx, out=e_new[i])
             m.copy_(approx)
         self.last_bytes = sent
+        self._settle(tentative, reductions, qs, e_new)
+
+    def _settle(self, tentative: bool, reductions: int, q, errors) -> None:
+        if tentative:
+            self._pending = (reductions, q, errors)
+        else:
+            self.reductions, self.q, self.errors = reductions, q, errors
+
+    def commit(self) -> None:
+        """Keep the state the last ``reduce(tentative=True)`` computed (the step is applied)."""
+        if self._pending is None:
+            raise RuntimeError("PowerSGD.commit: no tentative reduction to commit")
+        reductions, q, errors = self._pending
+        if errors is not None and errors is self._spare:
+            self._spare = self.errors   # the old errors' buffers take the next step's new ones
+        self.reductions, self.q, self.errors = reductions, q, errors
+        self._pending = None
+
+    def rollback(self) -> None:
+        """Drop the state the last ``reduce(tentative=True)`` computed (the step is skipped): the
+        count, Q and the errors are as before that call. The ``.grad`` it wrote stays (the
+        skipped step zeroes it)."""
+        if self._pending is None:
+            raise RuntimeError("PowerSGD.rollback: no tentative reduction to roll back")
+        self._pending = None
 
     def state_dict(self) -> dict:
         """This rank's state: plain data and CPU tensors (the checkpoint is read weights-only)."""
@@ -186,6 +238,43 @@ class PowerSGD:
             raise ValueError("the checkpoint's PowerSGD state has no error feedback and the run "
                              "asks for it: resume with parallel.powersgd_error_feedback=false")
         device = self.params[0][1].device if self.params else torch.device("cpu")
-        self.reductions = int(state["reductions"])
+        self.reductions, self._pending, self._spare = int(state["reductions"]), None, None
         self.q = None if q is None else [t.to(device) for t in q]
         self.errors = None if q is None else ([t.to(device) for t in errors] if self.error_feedback else [])
+
+    def load_other_world(self, read: Callable[[int], dict], saved_ranks: int, ranks: int) -> str:
+        """Take the state of a checkpoint saved at another data-parallel size, and return the one
+        line that says what was done. ``read(r)``: the state global rank ``r`` saved (its
+        ``state_dict``); ``saved_ranks`` and ``ranks``: the job's sizes then and now, with as
+        many ranks per data-parallel member (``ranks // world``: a model-parallel change is
+        refused before this, ``training/checkpoint/resume.py``).
+
+        Exact for the exchange: it sees the errors only through their mean over the group (each
+        step averages M + e: P = mean(M + e) Q, Q = mean(M + e)^T P, and the mean of the new
+        errors is mean(M + e) - P Q^T), so member j takes the sum of the saved members'
+        errors i = j, j + W, j + 2 W, ... (W members now, W' saved) times W / W': the mean over
+        the members is the saved mean. A member with none (a larger world) starts from zero
+        errors. Q and the count, the same on every rank, carry over."""
+        per = ranks // self.world
+        if not per or ranks % self.world or saved_ranks % per:
+            raise ValueError(f"the checkpoint's PowerSGD state was saved by {saved_ranks} ranks, "
+                             f"which do not split into data-parallel members of {per} ranks as "
+                             f"this run's {ranks} do: resume with the layout that wrote it")
+        saved = saved_ranks // per
+        members = list(range(self.member, saved, self.world))
+        states = [read(self.member_rank(i)) for i in members] or [read(self.member_rank(self.member % saved))]
+        state = dict(states[0])
+        if state.get("errors") is not None:
+            if members:
+                total = [t.clone() for t in states[0]["errors"]]
+                for other in states[1:]:
+                    for t, e in zip(total, other["errors"], strict=True):
+                        t.add_(e)
+                state["errors"] = [t.mul_(self.world / saved) for t in total]
+            else:
+                state["errors"] = [torch.zeros_like(t) for t in state["errors"]]
+        self.load_state_dict(state)
+        return (f"PowerSGD state saved by {saved} data-parallel ranks resharded onto {self.world}: "
+                f"each rank's error feedback is the sum of its share of the saved ranks' x "
+                f"{self.world}/{saved} (their mean, all the exchange uses, is kept); Q and the "
+                f"step count carried over")

@@ -23,12 +23,14 @@ it would silently change the run.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
 from training.checkpoint import safe_load
 
 STEP = "step"
+RANK_FILES = "trainer_state_rank*.pt"
 
 
 class Stateful(Protocol):
@@ -80,6 +82,10 @@ class TrainState:
         for name, part in self.shared.items():
             part.load_state_dict(client_state[name])
         if self.per_rank and same_world:
+            saved, world = len(list(Path(folder).glob(RANK_FILES))), _world_size()
+            if saved and saved != world:
+                self._load_other_world(Path(folder), saved, world)
+                return int(client_state[STEP])
             path = rank_file(folder, self.rank)
             if not path.is_file():
                 raise ValueError(f"checkpoint {folder} has no {path.name} (the per-rank state "
@@ -90,3 +96,35 @@ class TrainState:
                     raise ValueError(f"{path}: holds no {name!r} state: resume with the code that wrote it")
                 part.load_state_dict(states[name])
         return int(client_state[STEP])
+
+    def _load_other_world(self, folder: Path, saved: int, world: int) -> None:
+        """The per-rank parts of a checkpoint written by ``saved`` ranks, at ``world`` ranks (a
+        data-parallel size change that the engine's files allow, e.g. fp32 ZeRO-0). A part with
+        ``load_other_world(read, saved, world)`` (``read(r)``: its state in rank r's file)
+        reshards its state and returns what it did; any other keeps its fresh state. Rank 0
+        prints one warning line per part."""
+        for name, part in self.per_rank.items():
+            reshard = getattr(part, "load_other_world", None)
+            if reshard is not None:
+                done = reshard(lambda r, name=name: self._rank_part(folder, r, name), saved, world)
+            else:
+                done = f"{name} starts afresh (per-rank state does not map onto another world size)"
+            if self.rank == 0:
+                print(f"warning: checkpoint {folder} was saved by {saved} ranks, this run has "
+                      f"{world}: {done}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _rank_part(folder: Path, rank: int, name: str):
+        path = rank_file(folder, rank)
+        if not path.is_file():
+            raise ValueError(f"checkpoint {folder} has no {path.name} (the per-rank state {name} "
+                             f"of rank {rank}): restore it from a copy")
+        states = safe_load.load(path)
+        if name not in states:
+            raise ValueError(f"{path}: holds no {name!r} state: resume with the code that wrote it")
+        return states[name]
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -29,7 +29,11 @@ backward hooks), in fp32 or in bf16 with gradients accumulated in bf16 (DeepSpee
 with ``data_types.grad_accum_dtype: fp32`` ZeRO-1 moves ``.grad`` into ``param.grad_accum`` in
 a hook and ZeRO-0's ``BF16_Optimizer`` into its fp32 buffers), not fp16 (whose ``.grad``
 carries the dynamic loss scale). In bf16 the micro-batch gradient is the bf16 one the
-optimizer accumulates, so ``|G_small|^2`` carries bf16's rounding.
+optimizer accumulates, so ``|G_small|^2`` carries bf16's rounding. And not under
+``parallel.grad_compression`` (``bf16`` or ``powersgd``): ``grad_norm`` is then the norm of the
+compressed exchange's result, not of the step's mean gradient (bf16: the mean rounded to bf16;
+PowerSGD: a rank-r approximation of the mean plus the error fed back from earlier steps, which
+can be far from ``|G_big|``), so both estimates would be biased by an unknown amount.
 Elsewhere nothing is logged.
 """
 
@@ -43,9 +47,12 @@ import torch
 BETA = 0.95     # EMA decay of both estimates: about the last 20 steps
 
 
-def unavailable_reason(ds: dict, groups) -> str | None:
-    """Why the noise scale cannot be measured exactly under DeepSpeed JSON ``ds`` and the process
-    ``groups`` (None: it can)."""
+def unavailable_reason(ds: dict, groups, grad_compression: str = "none") -> str | None:
+    """Why the noise scale cannot be measured exactly under DeepSpeed JSON ``ds``, the process
+    ``groups`` and recipe key ``parallel.grad_compression`` (None: it can)."""
+    if grad_compression != "none":
+        return (f"parallel.grad_compression {grad_compression} (grad_norm is the compressed "
+                f"exchange's, not the step's mean gradient's)")
     if groups.tp * groups.ep * groups.pp > 1:
         return "tensor/expert/pipeline parallel (gradients sharded, or reduced in hooks)"
     if groups.cp > 1:
@@ -125,7 +132,7 @@ class NoiseScale:
 def for_run(recipe, ds: dict, ctx, dp_size: int) -> NoiseScale | None:
     """The run's ``NoiseScale``, or None when ``train.noise_scale`` is off or the layout does not
     allow an exact measurement (``unavailable_reason``)."""
-    if not recipe.train.noise_scale or unavailable_reason(ds, ctx.groups):
+    if not recipe.train.noise_scale or unavailable_reason(ds, ctx.groups, recipe.parallel.grad_compression):
         return None
     micro, gas = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     return NoiseScale(micro * recipe.seq_len, ds["train_batch_size"] * recipe.seq_len, gas, dp_size)

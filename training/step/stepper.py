@@ -38,7 +38,7 @@ import torch
 
 from model.moe.layer import start_balance_step
 from model.parallel import comm
-from training.step import layer_grads
+from training.step import grad_compression, layer_grads
 from training.step.history import StepHistory, spike_fields
 from training.config.ds_config import replica_sync_mode
 from training.step.stats import (NOISE, BusyTime, StatsLayout, StepValues, busy_row, straggler_metrics)
@@ -65,9 +65,8 @@ class StepContext:
 
 def _schedule_position(scheduler) -> int | None:
     """How many times an lr scheduler has stepped (DeepSpeed's or torch's), None without one."""
-    if scheduler is None:
-        return None
-    return getattr(scheduler, "last_batch_iteration", getattr(scheduler, "last_epoch", None))
+    return None if scheduler is None else getattr(scheduler, "last_batch_iteration",
+                                                  getattr(scheduler, "last_epoch", None))
 
 
 @dataclass
@@ -86,6 +85,7 @@ class StepDecision:
     grad_norm_local: float | None = None    # the trainer's norm at ZeRO-0 fp32 (applied steps)
     layer_sq: object = None     # per-layer squared gradient sums: a device tensor, or a host list at ZeRO-0 fp32
     grad_spike: bool = False    # the gradient norm is a spike (train.grad_spike_factor)
+    exchange_bytes: int = 0     # what PowerSGD's exchange sent (0: a step skipped before it)
 
 
 class Stepper:
@@ -174,10 +174,11 @@ class Stepper:
             if i == 0 and self.noise:    # .grad: this micro-batch's gradient (gas >= 2)
                 self.noise.measure(self.model, stats[NOISE])
             if last:
-                if self.compressor is not None and decision.skip_reason is None:
+                if self.compressor is not None:
                     where.phase = "gradient exchange (PowerSGD)"
-                    self.compressor.reduce()        # a skipped step leaves its state alone
-                self._prepare_last_step(decision)
+                    grad_compression.exchange(self.compressor, decision, self._prepare_last_step, self.recipe)
+                else:
+                    self._prepare_last_step(decision)
                 where.phase = "optimizer step"
             engine.step()
         return self._finish_step(step, decision, t0)
@@ -351,13 +352,12 @@ class Stepper:
              gn: float | None, layer_sq: list[float] | None) -> tuple[dict, dict]:
         values, skip_reason = decision.values, decision.skip_reason
         self.history.tokens += int(values.tokens)
-        row = {"step": step, "loss": values.loss, "lr": decision.lr, "grad_norm": gn,
-               "tokens": self.history.tokens, "tokens_per_s": values.tokens / step_time,
-               "step_time_s": step_time}
+        row = {"step": step, "loss": values.loss, "lr": decision.lr, "grad_norm": gn, "tokens": self.history.tokens,
+               "tokens_per_s": values.tokens / step_time, "step_time_s": step_time}
         if self.noise:
             row.update(self.noise.row(values.small_batch_grad_sq, row["grad_norm"], applied))
         if self.compressor is not None:     # what this rank sent to the data-parallel all-reduces
-            row["grad_exchange_bytes"] = self.compressor.last_bytes if decision.skip_reason is None else 0
+            row["grad_exchange_bytes"] = decision.exchange_bytes
         extra = {}
         if self.moe_blocks:
             moe_row, extra = self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)

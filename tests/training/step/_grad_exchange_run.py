@@ -4,8 +4,11 @@ optimizer step (``Stepper.train_step``) counting the bytes handed to
 and its scalars), ``powersgd`` (``model/parallel/powersgd.py``) or ``trainer`` (the step's
 statistics and flags). It also records a fingerprint of the PowerSGD state after each step and,
 with ``NAN_STEP`` set, makes that step's loss NaN (the final norm's output times NaN), so that the
-step is skipped. Writes ``{step: {"bytes": {...}, "state": fingerprint}}`` to
-``$EXCHANGE_OUT.<rank>.json``.
+step is skipped; with ``SPIKE_STEP`` (and ``SPIKE_FACTOR``, default 1000) multiplies that step's
+objective (what backward sees, not the logged loss: ``Stepper._forward``'s return), so that its
+gradient, and only its gradient, spikes. Writes ``{step: {"bytes": {...}, "state": fingerprint}}``
+to ``$EXCHANGE_OUT.<rank>.json`` and, with ``LOADED_OUT`` set, the PowerSGD state the run starts
+its first step with (after a resume: what it loaded) to ``$LOADED_OUT.<rank>.pt``.
 """
 
 import hashlib
@@ -15,6 +18,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[3]
@@ -49,9 +53,12 @@ def counted_all_reduce(tensor, *args, **kwargs):
 
 
 def fingerprint(compressor) -> str | None:
-    if compressor is None:
-        return None
-    state = compressor.state_dict()
+    return None if compressor is None else state_fingerprint(compressor.state_dict())
+
+
+def state_fingerprint(state: dict) -> str:
+    """A hash of PowerSGD's ``state_dict`` (the count, Q and the errors; the same as
+    ``test_grad_compression_run.fingerprint`` of a saved ``trainer_state_rank<r>.pt``)."""
     digest = hashlib.sha256(str(state["reductions"]).encode())
     for t in (state["q"] or []) + (state["errors"] or []):
         digest.update(t.numpy().tobytes())
@@ -61,7 +68,14 @@ def fingerprint(compressor) -> str | None:
 records: dict[int, dict] = {}
 train_step = stepper.Stepper.train_step
 NAN_STEP = int(os.environ.get("NAN_STEP", "0"))
+SPIKE_STEP, SPIKE_FACTOR = int(os.environ.get("SPIKE_STEP", "0")), float(os.environ.get("SPIKE_FACTOR", "1000"))
 scale = {"value": 1.0}
+forward = stepper.Stepper._forward
+
+
+def spiked_forward(self, input_ids, labels, stats, gas):
+    loss = forward(self, input_ids, labels, stats, gas)
+    return loss * SPIKE_FACTOR if self.where.step == SPIKE_STEP else loss
 
 
 def counted_train_step(self, step, batches):
@@ -69,6 +83,8 @@ def counted_train_step(self, step, batches):
     if not hasattr(self, "_nan_hook"):
         self._nan_hook = self.model.norm.register_forward_hook(lambda m, i, out: out * scale["value"])
     scale["value"] = float("nan") if step == NAN_STEP else 1.0
+    if not records and os.environ.get("LOADED_OUT") and self.compressor is not None:
+        torch.save(self.compressor.state_dict(), f"{os.environ['LOADED_OUT']}.{os.environ.get('RANK', '0')}.pt")
     sent = Counter()
     try:
         out = train_step(self, step, batches)
@@ -81,6 +97,7 @@ def counted_train_step(self, step, batches):
 
 dist.all_reduce = counted_all_reduce
 stepper.Stepper.train_step = counted_train_step
+stepper.Stepper._forward = spiked_forward
 
 if __name__ == "__main__":
     sys.exit(train.main(sys.argv[1:]))

@@ -19,11 +19,13 @@ made for), tiny Mixtral and tiny dense; the bytes of every all-reduce of a step 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.runs import SMALL, ds_variant, rows
 from training.run.preflight import plan_for
@@ -97,6 +99,105 @@ def test_a_skipped_step_leaves_powersgd_alone(runs):
         assert counted[5]["bytes"].get("powersgd", 0) == 0
         assert counted[6]["state"] != counted[5]["state"]
     assert "skipped" not in logged[6] and logged[6]["loss"] < 20
+
+
+def fingerprint(state: dict) -> str:
+    """``_grad_exchange_run.state_fingerprint`` of a PowerSGD state (a saved one here)."""
+    digest = hashlib.sha256(str(state["reductions"]).encode())
+    for t in (state["q"] or []) + (state["errors"] or []):
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+SPIKE = POWERSGD + ["eval.every=0", "train.grad_spike_factor=3", "train.spike_window=4",
+                    "train.spike_action=skip"]
+
+
+def test_a_gradient_spike_is_skipped_and_leaves_powersgd_alone(warm_launcher, tmp_path):
+    """Step 10's gradient (not its loss) multiplied by 100 under PowerSGD with
+    ``train.grad_spike_factor``: exactly step 10 is flagged and skipped, none of the next 20, and
+    PowerSGD's state (count, Q, errors) after step 10 is the state after step 9 on every rank:
+    the compressor reduces before the norm is known and keeps the new state aside until the
+    step's skip decision (``PowerSGD.commit`` / ``rollback``). Kept, the spike would sit in the
+    error feedback and come back: every later step flagged. With ``spike_action: stop`` the run
+    stops at step 10 and its checkpoint holds the state of step 9."""
+    config = ds_variant(tmp_path, "zero0_fp32", train_micro_batch_size_per_gpu=4)
+    env = {"SPIKE_STEP": "10", "SPIKE_FACTOR": "100"}
+    warm_launcher.launch(tmp_path / "skip", config, steps=30, script=SCRIPT, extra=SPIKE,
+                         extra_env={"EXCHANGE_OUT": str(tmp_path / "skip-bytes"), **env})
+    logged = {r["step"]: r for r in rows(tmp_path / "skip")}
+    flagged = {s: r.get("skipped") for s, r in logged.items() if r.get("grad_spike") or "skipped" in r}
+    assert list(flagged) == [10] and flagged[10].startswith("grad-norm spike"), flagged
+    assert logged[10]["grad_exchange_bytes"] == logged[9]["grad_exchange_bytes"] > 0    # it did exchange
+    for rank in range(2):
+        counted = _bytes(tmp_path, "skip", rank)
+        assert counted[10]["state"] == counted[9]["state"] != counted[8]["state"]
+        assert counted[11]["state"] != counted[10]["state"]
+
+    warm_launcher.launch(tmp_path / "stop", config, steps=12, script=SCRIPT,
+                         extra=SPIKE + ["train.spike_action=stop", "train.save_every=100"],
+                         extra_env={"EXCHANGE_OUT": str(tmp_path / "stop-bytes"), **env})
+    assert [r["step"] for r in rows(tmp_path / "stop")][-1] == 10
+    assert rows(tmp_path / "stop")[-1]["stopped"].startswith("grad-norm spike")
+    for rank in range(2):
+        saved = torch.load(tmp_path / "stop" / "checkpoints" / "step00000010" / f"trainer_state_rank{rank:05d}.pt",
+                           weights_only=True)["grad_compression"]
+        assert fingerprint(saved) == _bytes(tmp_path, "stop", rank)[9]["state"]
+
+
+def _saved_powersgd(run: Path, step: int) -> list[dict]:
+    folder = run / "checkpoints" / f"step{step:08d}"
+    files = sorted(folder.glob("trainer_state_rank*.pt"))
+    return [torch.load(f, weights_only=True)["grad_compression"] for f in files]
+
+
+def _check_resharded(saved: list[dict], loaded: list[dict]) -> None:
+    """Every rank's loaded Q and count are the saved ones; the errors' mean over the ranks (all
+    the exchange uses of them) is the saved mean."""
+    for state in loaded:
+        assert state["reductions"] == saved[0]["reductions"] and state["rank"] == saved[0]["rank"]
+        assert all(torch.equal(a, b) for a, b in zip(state["q"], saved[0]["q"], strict=True))
+    for i, before in enumerate(saved[0]["errors"]):
+        mean_saved = sum(s["errors"][i] for s in saved) / len(saved)
+        mean_loaded = sum(s["errors"][i] for s in loaded) / len(loaded)
+        assert mean_saved.abs().max() > 0 and before.shape == mean_loaded.shape
+        torch.testing.assert_close(mean_loaded, mean_saved, rtol=1e-5, atol=1e-7)
+    assert not torch.equal(loaded[0]["errors"][0], loaded[1]["errors"][0])   # not one copy for all
+
+
+def test_a_resume_at_another_data_parallel_size_reshards_powersgd(warm_launcher, tmp_path):
+    """fp32 ZeRO-0 resumes at another data-parallel size (DeepSpeed keeps the optimizer whole
+    there); PowerSGD's per-rank state is resharded, with one warning line: 2 ranks, checkpoint
+    at step 3 (compressed since step 3), resumed at 4 ranks to step 5, then that checkpoint at 2
+    ranks to step 7. Each time every rank starts with the saved Q and count and the saved mean
+    of the errors over the ranks, and trains on compressed without a skip. Before: at 4 ranks
+    ranks 2-3 found no ``trainer_state_rank`` file and the run was refused as written "by a
+    trainer without it"; at 2 ranks the error feedback of 2 of the 4 ranks was silently lost."""
+    # The same global batch (8 sequences) at both sizes: the data order resumes.
+    config = {n: ds_variant(tmp_path, "zero0_fp32", train_micro_batch_size_per_gpu=8 // n) for n in (2, 4)}
+    common = POWERSGD + ["eval.every=0", "train.save_every=100"]
+    warm_launcher.launch(tmp_path / "dp2", config[2], steps=3, script=SCRIPT, extra=common,
+                         extra_env={"EXCHANGE_OUT": str(tmp_path / "dp2-bytes")})
+    previous, step = "dp2", 3
+    for name, nproc, steps in (("dp4", 4, 5), ("dp4-dp2", 2, 7)):
+        shutil.copytree(tmp_path / previous, tmp_path / name)
+        (tmp_path / name / "metrics.jsonl").write_text("")
+        warm_launcher.launch(tmp_path / name, config[nproc], nproc=nproc, steps=steps, script=SCRIPT, extra=common,
+                             extra_env={"EXCHANGE_OUT": str(tmp_path / f"{name}-bytes"),
+                                        "LOADED_OUT": str(tmp_path / f"{name}-loaded")})
+        log = (tmp_path / f"{name}.log").read_text()
+        warnings = [line for line in log.splitlines() if "was saved by" in line]
+        assert len(warnings) == 1, log[-3000:]
+        saved_ranks = 2 if previous == "dp2" else 4
+        assert (f"was saved by {saved_ranks} ranks, this run has {nproc}: PowerSGD state saved by "
+                f"{saved_ranks} data-parallel ranks resharded onto {nproc}") in warnings[0], warnings
+        loaded = [torch.load(tmp_path / f"{name}-loaded.{r}.pt", weights_only=True) for r in range(nproc)]
+        _check_resharded(_saved_powersgd(tmp_path / previous, step), loaded)
+        resumed = rows(tmp_path / name)
+        assert [r["step"] for r in resumed] == list(range(step + 1, steps + 1))
+        assert all("skipped" not in r and r["loss"] < 20 for r in resumed), resumed
+        assert len({r["grad_exchange_bytes"] for r in resumed}) == 1       # compressed, as before
+        previous, step = name, steps
 
 
 def test_resume_continues_bitwise(runs):

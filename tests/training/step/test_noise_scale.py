@@ -84,6 +84,8 @@ def test_only_layouts_where_grad_holds_the_micro_batch_gradient():
                (fp32, _groups(tp=2)), (fp32, _groups(ep=2)), (fp32, _groups(pp=2)), (fp32, _groups(cp=2))]
     for ds, groups in refused:
         assert noise_scale.unavailable_reason(ds, groups), (ds, groups)
+    for compression in ("bf16", "powersgd"):     # grad_norm is the compressed exchange's
+        assert "grad_compression" in noise_scale.unavailable_reason(fp32, _groups(), compression)
 
 
 @pytest.mark.parametrize("config", ["zero1_fp32", "zero0_fp32", "zero1"])
@@ -130,3 +132,21 @@ def test_keys_absent_at_zero2_and_without_accumulation(warm_launcher, tmp_path):
         _launch(warm_launcher, run, config, steps=2)
         metrics = rows(run)
         assert metrics and all("grad_norm" in row and not set(KEYS) & set(row) for row in metrics), metrics
+
+
+def test_keys_absent_under_grad_compression(warm_launcher, tmp_path):
+    """``parallel.grad_compression`` bf16 or powersgd (fp32 ZeRO-0, accumulation 2, 2 ranks, the
+    default ``train.noise_scale: true``): no ``gns_*`` or ``gradient_noise_scale`` in any row,
+    as the plain run beside them has in every row. ``grad_norm`` there is the norm of the
+    compressed exchange's result (PowerSGD's: a rank-r approximation plus the fed-back error),
+    not the step's mean gradient's: the estimates would be biased."""
+    ds = ds_variant(tmp_path, "zero0_fp32", train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=2)
+    runs = {"plain": [], "bf16": ["parallel.grad_compression=bf16"],
+            "powersgd": ["parallel.grad_compression=powersgd", "parallel.powersgd_start_steps=1"]}
+    warm_launcher.launch_many([(tmp_path / name, ds, ["eval.every=0", *extra]) for name, extra in runs.items()],
+                              steps=2)
+    for name in runs:
+        metrics = rows(tmp_path / name)
+        assert len(metrics) == 2 and all("grad_norm" in row for row in metrics), (name, metrics)
+        present = [set(KEYS) <= set(row) for row in metrics]
+        assert all(present) if name == "plain" else not any(set(KEYS) & set(row) for row in metrics), (name, metrics)
