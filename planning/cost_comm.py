@@ -130,12 +130,13 @@ def ep_volumes(shape: Shape, layout: Layout, layers: range) -> dict[tuple, float
 
 
 def dp_volume(psi: float, dp: int, accumulation: int, zero_stage: int, grad_bytes: int,
-              param_bytes: int = ACT_BYTES) -> dict[str, float]:
+              param_bytes: int = ACT_BYTES, exchange_scale: float = 1.0) -> dict[str, float]:
     """Bytes each rank sends for data parallelism in one optimizer step, for ``psi`` parameters
     replicated over ``dp`` ranks: the ZeRO paper's counts (arXiv:1910.02054, sec. 7) as
     DeepSpeed schedules them, each times (dp-1)/dp for a ring:
 
-    - ZeRO-0: all-reduce of the gradients at the accumulation boundary, 2 psi;
+    - ZeRO-0: all-reduce of the gradients at the accumulation boundary, 2 psi (compressed:
+      ``exchange_scale`` elements per gradient element, PowerSGD's P, Q and vectors);
     - ZeRO-1 (and Megatron's distributed optimizer): reduce-scatter of the gradients once, psi,
       then all-gather of the updated parameters, psi;
     - ZeRO-2: DeepSpeed reduce-scatters on every micro-batch (m psi), then all-gathers (psi);
@@ -146,7 +147,7 @@ def dp_volume(psi: float, dp: int, accumulation: int, zero_stage: int, grad_byte
         return {}
     m, ring = accumulation, (dp - 1) / dp
     if zero_stage == 0:
-        parts = {"grad_all_reduce": 2 * psi * grad_bytes}
+        parts = {"grad_all_reduce": 2 * psi * grad_bytes * exchange_scale}
     elif zero_stage == 1:
         parts = {"grad_reduce_scatter": psi * grad_bytes, "param_all_gather": psi * param_bytes}
     elif zero_stage == 2:

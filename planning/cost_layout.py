@@ -123,6 +123,7 @@ class Layout:
     overlap_a2a: bool = False       # EP all-to-all under another micro-batch's compute
     overlap_p2p: bool = False       # pipeline sends under compute (Megatron's interleaved 1F1B)
     grad_reduce_bytes: int = 4      # gradient reduction dtype (fp32: Megatron, FSDP2 defaults)
+    grad_exchange_scale: float = 1.0    # elements sent per gradient element (PowerSGD: < 1; ZeRO-0)
     dispatch_bytes: int = ACT_BYTES  # the all-to-all payload per element (fp8: 1)
     a2a_node_dedup: bool = False    # DeepEP: a token crosses to a remote node once, then NVLink
     moe_imbalance: float = 1.0      # the busiest EP rank's routed rows over the mean

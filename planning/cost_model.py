@@ -231,7 +231,8 @@ def _dp_and_optimizer(shape: Shape, layout: Layout, cluster: Cluster, layers: ra
     groups = dp_groups(shape, layout)
     volumes, reduce_s, gather_s = {}, 0.0, 0.0
     for kind, (size, stride) in groups.items():
-        vol = dp_volume(params[kind], size, m, layout.zero_stage, layout.grad_reduce_bytes)
+        vol = dp_volume(params[kind], size, m, layout.zero_stage, layout.grad_reduce_bytes,
+                        exchange_scale=layout.grad_exchange_scale)
         for part, nbytes in vol.items():
             volumes[f"{kind}_{part}"] = nbytes
             seconds = nbytes / cluster.busbw(size, stride)

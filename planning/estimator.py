@@ -31,7 +31,8 @@ from planning import memory_model as mm
 from planning.buffers import buffer_bytes, optimizer_temporaries
 from planning.build_memory import build_bytes
 from training.config.ds_checks import validate_ds_config
-from training.config.ds_config import check_layout, load_ds_config, replica_sync_mode
+from training.config.ds_config import (apply_grad_compression, check_layout, load_ds_config,
+                                       replica_sync_mode)
 from planning.cost_model import Layout, Shape, step_cost
 from planning.hardware import Cluster, cluster
 from training.gpus import GPUS
@@ -75,7 +76,8 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
                        schedule=recipe.parallel.pipeline_schedule, micro_batches=acc,
                        cp=dims.cp, cp_comm=dims.cp_comm)
     stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
-    stages = [_stage(recipe, layout, ds, s, micro, on_gpu) for s in sorted({0, layout.pp - 1})]
+    compression = powersgd_elements(recipe, layout)
+    stages = [_stage(recipe, layout, ds, s, micro, on_gpu, compression) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
     usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
     host_memory = (host_memory_gb or HOST_GB_PER_GPU * gpus_per_node) * GB
@@ -88,7 +90,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
             "precision": precision, "micro_batch": micro, "accumulation": acc,
             "seq_len": recipe.seq_len, "activation_checkpointing": recipe.train.activation_checkpointing,
             "params_total": cfg.num_params(), "params_active": cfg.num_params(active=True),
-            "stages": stages, "worst": worst, "build": build,
+            "stages": stages, "worst": worst, "build": build, "powersgd": compression,
             "fits": worst["gpu_total"] <= usable and build["fits"],
             "cpu_per_node": worst["cpu"] * min(gpus, gpus_per_node)}
 
@@ -115,12 +117,52 @@ def _build(stages: list[dict], zero_stage: int, ranks_per_node: int, host_memory
             "host_memory": host_memory, "fits": reason is None, "reason": reason}
 
 
+def powersgd_elements(recipe: Recipe, layout: mm.Layout) -> dict | None:
+    """Under ``parallel.grad_compression: powersgd``, what PowerSGD sends and keeps per rank, in
+    elements (``model.parallel.powersgd.exchange_elements``), from this rank's gradient shapes:
+    the model built at its tp x ep shard on the meta device (shapes only, no memory); else None."""
+    if recipe.parallel.grad_compression != "powersgd":
+        return None
+    key = (repr(recipe.model), layout.tp, layout.ep, layout.sp, recipe.parallel.powersgd_rank)
+    if key not in _POWERSGD:        # the planner asks again for every micro-batch and policy
+        _POWERSGD[key] = _powersgd_elements(recipe, layout)
+    return _POWERSGD[key]
+
+
+_POWERSGD: dict[tuple, dict] = {}
+
+
+def _powersgd_elements(recipe: Recipe, layout: mm.Layout) -> dict:
+    import torch
+
+    from model.parallel.groups import ParallelGroups
+    from model.parallel.powersgd import exchange_elements
+    from model.transformer import Transformer
+    with torch.device("meta"):
+        model = Transformer(recipe.model, ParallelGroups(tp=layout.tp, ep=layout.ep,
+                                                         sequence_parallel=layout.sp), init_seed=None)
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return exchange_elements(shapes, recipe.parallel.powersgd_rank)
+
+
+def _compression_state(recipe: Recipe, elements: dict | None) -> float:
+    """PowerSGD's fp32 state per rank (it runs at ZeRO-0 fp32 only): Q, the error feedback, and
+    a second error buffer where a gradient-norm spike test can skip a step after the exchange
+    (``PowerSGD.reduce(tentative=True)``)."""
+    if elements is None:
+        return 0.0
+    train, errors = recipe.train, elements["compressed"] if recipe.parallel.powersgd_error_feedback else 0
+    spare = errors if train.grad_spike_factor is not None and train.spike_action != "log" else 0
+    return mm.FP32 * (elements["q_state"] + errors + spare)
+
+
 def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
-           on_gpu: bool = True) -> dict:
+           on_gpu: bool = True, compression: dict | None = None) -> dict:
     cfg, zero = recipe.model, ds.get("zero_optimization") or {}
     a = mm.DTYPE_BYTES[mm.precision_of(ds)]
     params = mm.local_params(cfg, layout, stage)
     states = mm.deepspeed_model_state_bytes(params["total"], layout.dp, ds)
+    states["compression"] = _compression_state(recipe, compression)
     acts = mm.activation_bytes(cfg, layout, micro, recipe.seq_len, a,
                                recipe.train.activation_checkpointing, stage)
     a2a = 0.0
@@ -130,7 +172,7 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
                               params["largest_module"], layout.dp, a2a,
                               optimizer_temporaries(ds, on_gpu))
     during_backward = acts["total"] + buffers["reduce_bucket"] + buffers["zero3_gather"] + a2a
-    model_states = states["params"] + states["grads"] + states["optimizer"]
+    model_states = states["params"] + states["grads"] + states["optimizer"] + states["compression"]
     return {"stage": stage, "params": params, "states": states, "activations": acts,
             "buffers": buffers, "model_states": model_states, "cpu": states["cpu"],
             "build": build_bytes(cfg, layout, ds, stage),
@@ -148,8 +190,12 @@ def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1
     gradient reduction overlapped with backward when ``overlap_comm`` is on
     (ZeRO-3 prefetches regardless), gradients reduced in the JSON's ``communication_data_type``
     or the training precision, the all-to-all in ``model.moe.dispatch_dtype``; the busiest
-    rank's routed rows ``moe_imbalance`` times the mean."""
-    zero = ds.get("zero_optimization") or {}
+    rank's routed rows ``moe_imbalance`` times the mean. Under PowerSGD the exchange runs after
+    the last backward (not overlapped) and sends its compressed steps' elements (P, Q and the
+    uncompressed vectors, ``est["powersgd"]``) per gradient element; its first
+    ``powersgd_start_steps`` steps, uncompressed, and the power iteration's own matmuls and QR
+    (about 4 r elements' work per compressed element) are not counted."""
+    zero, powersgd = ds.get("zero_optimization") or {}, est.get("powersgd")
     comm = {"fp32": 4, "fp16": 2, "bf16": 2}.get(str(ds.get("communication_data_type", "")).lower())
     dispatch = getattr(recipe.model.moe, "dispatch_dtype", None) if recipe.model.moe else None
     return Layout(world=est["gpus"], global_batch=est["micro_batch"] * est["accumulation"] * est["dp"],
@@ -160,7 +206,9 @@ def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1
                   schedule=recipe.parallel.pipeline_schedule,
                   ep_splits_batch=True, attention="fa2", fused_elementwise=recipe.train.compile,
                   replica_sync=replica_sync_mode(ds) if est["pp"] == 1 else "micro_batch",
-                  overlap_dp=bool(zero.get("overlap_comm")) or est["zero_stage"] == 3,
+                  overlap_dp=(bool(zero.get("overlap_comm")) or est["zero_stage"] == 3) and not powersgd,
+                  grad_exchange_scale=(powersgd["plain"] + powersgd["p"] + powersgd["q"]) / powersgd["total"]
+                  if powersgd else 1.0,
                   grad_reduce_bytes=comm or mm.DTYPE_BYTES[est["precision"]],
                   dispatch_bytes={"fp8": 1, "bf16": 2}.get(dispatch, mm.DTYPE_BYTES[est["precision"]]),
                   moe_imbalance=moe_imbalance)
@@ -232,6 +280,9 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
     suffix = "_fp32" if precision == "fp32" else ""
     bases = {s: load_ds_config(str(REPO / "ds_configs" / f"zero{s}{suffix}.json")) for s in range(4)}
     rows, considered, refused = [], 0, {}
+    # The recipe's gradient compression goes with every candidate (refused where it cannot apply).
+    compression = {f.name: getattr(recipe.parallel, f.name) for f in dataclasses.fields(ParallelConfig)
+                   if f.name == "grad_compression" or f.name.startswith("powersgd_")}
     for dims in _layouts(recipe, world, gpus_per_node):
         for stage, micro, policy in itertools.product(range(4), (1, 2, 4, 8), CHECKPOINTING):
             considered += 1
@@ -245,8 +296,9 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                         tensor_parallel_size=dims.tp, expert_parallel_size=dims.ep,
                         pipeline_parallel_size=dims.pp, sequence_parallel=dims.sp,
                         context_parallel_size=dims.cp, cp_comm=dims.cp_comm,
-                        expert_placement=recipe.parallel.expert_placement),
+                        expert_placement=recipe.parallel.expert_placement, **compression),
                     train=dataclasses.replace(recipe.train, activation_checkpointing=policy))
+                apply_grad_compression(ds, r.parallel.grad_compression, dims)
                 est = estimate(r, ds, world, gpus_per_node, gpu, host_memory_gb)
             except ValueError:
                 continue
@@ -261,6 +313,7 @@ def plan(recipe: Recipe, nodes: int, gpus_per_node: int, gpu: str, precision: st
                              "accumulation": ds["gradient_accumulation_steps"],
                              "activation_checkpointing": policy,
                              "config": f"ds_configs/zero{stage}{suffix}.json",
+                             "grad_compression": r.parallel.grad_compression,
                              "gpu_total": est["worst"]["gpu_total"],
                              **step_time(r, est, ds, where, moe_imbalance)})
     rows.sort(key=lambda row: (-row["tokens_per_s_per_gpu"], row["gpu_total"]))
@@ -280,6 +333,8 @@ def launch_command(row: dict, recipe_path: str, nodes: int, gpus_per_node: int,
         sets.append("parallel.sequence_parallel=true")
     if row.get("cp", 1) > 1:
         sets += [f"parallel.context_parallel_size={row['cp']}", f"parallel.cp_comm={row['cp_comm']}"]
+    if row.get("grad_compression", "none") != "none":
+        sets.append(f"parallel.grad_compression={row['grad_compression']}")
     return shlex.join(["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus_per_node),
                        "launch/train.py", "--config", config or row["config"],
                        "--recipe", recipe_path, "--set", *sets])

@@ -217,7 +217,9 @@ def _estimate(plan, ctx, device: torch.device, allocator: dict, requested: int) 
     scale = max(1.0, (need - states) / transient) if transient > 0 else 1.0
     return {"gpu_table_entry": gpu, "device": device.type, "stage": w["stage"],
             "breakdown": {"parameters": s["params"], "gradients": s["grads"],
-                          "optimizer states": s["optimizer"], "activations": act["total"],
+                          "optimizer states": s["optimizer"],
+                          "gradient compression state": s.get("compression", 0.0),
+                          "activations": act["total"],
                           "  blocks kept for backward": act["blocks"],
                           "  recompute of one block/sub-layer": act["recompute"],
                           "  final norm, fp32 logits, token ids": act["head"],

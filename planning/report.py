@@ -30,6 +30,7 @@ def format_estimate(est: dict) -> str:
         "", "per GPU                                       GB"]
     rows = [("parameters", s["params"]), ("gradients", s["grads"]),
             ("optimizer states", s["optimizer"]),
+            *([("gradient compression state (PowerSGD)", s["compression"])] if s.get("compression") else []),
             (f"activations ({act['in_flight_micro_batches']} micro-batch(es) in flight)", act["total"]),
             ("  blocks kept for backward", act["blocks"]),
             ("  recompute of one block/sub-layer", act["recompute"]),

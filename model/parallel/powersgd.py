@@ -58,6 +58,28 @@ def matrix_view(shape: torch.Size, rank: int) -> tuple[int, int, int] | None:
     return batch, rows, cols
 
 
+def exchange_elements(shapes, rank: int) -> dict[str, int]:
+    """What ``PowerSGD`` sends and keeps for gradients of ``shapes`` (one rank's), in elements:
+    ``plain`` (sent as is, in the first all-reduce of a compressed step with the P factors),
+    ``p`` and ``q`` (the factors: ``plain + p`` in the first all-reduce, ``q`` in the second),
+    ``compressed`` (the gradient elements compressed: the error feedback's size), ``q_state``
+    (the Q kept: ``q`` again) and ``total`` (what an uncompressed step sends). For the planner
+    (``planning/estimator.py``); the trainer's counted bytes equal 4 x these
+    (``tests/training/step/test_grad_compression_run.py``)."""
+    out = dict.fromkeys(("plain", "p", "q", "compressed", "total"), 0)
+    for shape in shapes:
+        numel, view = math.prod(shape), matrix_view(torch.Size(shape), rank)
+        out["total"] += numel
+        if view is None:
+            out["plain"] += numel
+        else:
+            batch, rows, cols = view
+            out["p"] += batch * rows * rank
+            out["q"] += batch * cols * rank
+            out["compressed"] += numel
+    return {**out, "q_state": out["q"]}
+
+
 class PowerSGD:
     """Averages the gradients of ``params`` over ``group`` (``world`` ranks) in place, compressed
     (see the module docstring). Call ``reduce`` once per optimizer step, after the last backward,

@@ -143,3 +143,30 @@ def test_estimate_prints_the_predicted_step_and_a_calibration_moves_it(capsys):
     # half the GEMM rate: the GEMMs take twice as long, the rest of the step is unchanged
     assert halved["breakdown"]["gemm"] == pytest.approx(2 * table["breakdown"]["gemm"], rel=1e-6)
     assert halved["breakdown"]["elementwise"] == pytest.approx(table["breakdown"]["elementwise"])
+
+
+def test_the_planner_keeps_powersgd_where_it_applies_and_counts_its_bytes(capsys):
+    """``--set parallel.grad_compression=powersgd`` (fp32: the zero0_fp32 JSON): every layout the
+    planner ranks is one the trainer accepts PowerSGD at (ZeRO-0, no pipeline stages), its
+    command sets the key, and its data-parallel bytes are PowerSGD's, a small fraction of the
+    same layout's uncompressed all-reduce (dense 7B, rank 4: r (n + m) of n m per matrix)."""
+    from launch.train import parse_args
+    from training.config.recipe import load_recipe
+    argv = ["--plan", "--recipe", "recipes/dense_7b.yaml", "--nodes", "8", "--config",
+            "ds_configs/zero0_fp32.json", "--network-gbit-s", "400", "--top", "50", "--json"]
+    assert estimate_memory.main(argv + ["--set", "parallel.grad_compression=powersgd"]) == 0
+    compressed = json.loads(capsys.readouterr().out)
+    assert compressed["layouts"] and all(
+        row["zero_stage"] == 0 and row["pp"] == 1 and row["grad_compression"] == "powersgd"
+        for row in compressed["layouts"]), compressed["layouts"][:3]
+    command = compressed["command"].split()
+    assert load_recipe("recipes/dense_7b.yaml", parse_args(command[command.index("launch/train.py") + 1:]).set
+                       ).parallel.grad_compression == "powersgd"
+    assert estimate_memory.main(argv) == 0
+    plain = {(r["zero_stage"], r["tp"], r["micro_batch"], r["activation_checkpointing"]): r
+             for r in json.loads(capsys.readouterr().out)["layouts"]}
+    pairs = [(row, plain[key]) for row in compressed["layouts"]
+             if (key := (0, row["tp"], row["micro_batch"], row["activation_checkpointing"])) in plain]
+    assert pairs, "no layout ranked both ways"
+    for row, same in pairs:
+        assert 0 < row["volumes"]["dp_bytes"] < same["volumes"]["dp_bytes"] / 100, (row["volumes"], same["volumes"])

@@ -81,6 +81,36 @@ def test_powersgd_sends_at_most_an_eighth(runs, name):
         assert start[0] <= deepspeed <= start[0] + SCALARS, (start, deepspeed)
 
 
+@pytest.mark.parametrize("name", ["powersgd", "dense"])
+def test_the_estimator_counts_powersgds_bytes_and_state(runs, name, monkeypatch):
+    """``planning/estimator.py`` at the run's recipe and layout (the model's shapes on the meta
+    device): 4 bytes x its ``total`` elements are the counted bytes of an uncompressed step,
+    4 x (``plain`` + ``p`` + ``q``) those of a compressed one, and the PowerSGD state it adds to
+    the model states (Q and the errors, fp32) is the bytes of the state the run saved; the cost
+    model's data-parallel bytes shrink by the same ratio."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from planning.estimator import estimate, step_time
+    from planning.hardware import cluster
+    sets = SMALL if name == "powersgd" else [s for s in SMALL if not s.startswith("model.moe.")]
+    recipe = None if name == "powersgd" else "recipes/tiny_dense.yaml"
+    plan = plan_for("ds_configs/zero0_fp32.json", recipe, sets=[*sets, *POWERSGD])
+    est = estimate(plan.recipe, plan.ds, 2, on_gpu=False)
+    elements, counted = est["powersgd"], _bytes(runs, name)
+    assert 4 * elements["total"] == counted[1]["bytes"]["powersgd"]
+    assert 4 * (elements["plain"] + elements["p"] + elements["q"]) == counted[3]["bytes"]["powersgd"]
+    saved = sorted((runs / name / "checkpoints").glob("step*/trainer_state_rank00000.pt"))[-1]
+    state = torch.load(saved, weights_only=True)["grad_compression"]
+    state_bytes = sum(t.numel() * t.element_size() for t in state["q"] + state["errors"])
+    assert est["worst"]["states"]["compression"] == state_bytes > 0
+    plain_plan = plan_for("ds_configs/zero0_fp32.json", recipe, sets=sets)
+    plain = estimate(plain_plan.recipe, plain_plan.ds, 2, on_gpu=False)
+    assert est["worst"]["model_states"] == plain["worst"]["model_states"] + state_bytes
+    where = cluster(name="dgx-h100")
+    dp = [step_time(p.recipe, e, p.ds, where)["volumes"]["dp_bytes"] for p, e in ((plan, est), (plain_plan, plain))]
+    ratio = (elements["plain"] + elements["p"] + elements["q"]) / elements["total"]
+    assert dp[0] == pytest.approx(dp[1] * ratio, rel=1e-9), (dp, ratio)
+
+
 def test_bf16_halves_the_exchange_and_tracks_fp32(runs):
     fp32, bf16 = _bytes(runs, "none")[2]["bytes"]["deepspeed"], _bytes(runs, "bf16")[2]["bytes"]["deepspeed"]
     assert abs(bf16 - fp32 / 2) <= SCALARS, (fp32, bf16)
