@@ -19,7 +19,9 @@ embedding (and a head tied to it), the norms and the router keep their weight gr
 things autograd would have done are done here by hand: a weight replicated over tp or ep whose
 ranks saw different tokens has its gradient summed over them (``reduce``, which the pipeline
 stage points at ``ReplicaGradSync.summed``: a gradient added by hand fires no ``register_hook``),
-and gradients only ever accumulate into ``.grad``.
+and gradients only ever accumulate into ``.grad``, or into where the optimizer accumulates them
+when that is not ``.grad`` (``sink``: the pipeline stage points it at the fp32 accumulators of
+an optimizer that moves ``.grad`` away after every backward).
 
 Hand-written because neither torch's autograd nor DeepSpeed splits a backward this way
 (``torch.distributed.pipelining``'s ``stage_backward_weight`` works on torch's own pipeline
@@ -42,13 +44,14 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.enabled = False            # the model's linear sites go through ``linear`` & co.
         self.reduce: Callable | None = None      # (param, grad) -> grad summed over its replicas
+        self.sink: Callable | None = None        # (param, grad) -> True if it took the gradient
         self._deferring = False
         self._current: list = []
         self._queue: deque[list] = deque()
 
-    def configure(self, enabled: bool, reduce: Callable | None = None) -> None:
+    def configure(self, enabled: bool, reduce: Callable | None = None, sink: Callable | None = None) -> None:
         """Set for one engine (a process may build several, one after the other)."""
-        self.enabled, self.reduce = enabled, reduce
+        self.enabled, self.reduce, self.sink = enabled, reduce, sink
         self._deferring, self._current = False, []
         self._queue.clear()
 
@@ -88,6 +91,8 @@ class WeightGradStore:
                 continue
             if self.reduce is not None and getattr(param, "grad_sum_over", None):
                 grad = self.reduce(param, grad)
+            if self.sink is not None and self.sink(param, grad):
+                continue
             if param.grad is None:
                 param.grad = grad.to(param.dtype)
             else:

@@ -37,7 +37,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (DeepSpeed PipelineModule); DeepSpeed allows only ZeRO-0/1 with it."""
     pipeline_schedule: Literal["1f1b", "gpipe", "zb-h1"] = "1f1b"
-    """1f1b (DeepSpeed's TrainSchedule), gpipe (all forwards, then all backwards) or zb-h1 (zero-bubble H1: weight gradients deferred to the cool-down, fp32 only; training/engine/pipe_schedules.py)."""
+    """1f1b (DeepSpeed's TrainSchedule), gpipe (all forwards, then all backwards) or zb-h1 (zero-bubble H1: weight gradients deferred to the cool-down, fp32 or bf16; training/engine/pipe_schedules.py)."""
     sequence_parallel: bool = False
     """Megatron SP: split activations between TP regions along the sequence (seq_len % tp == 0)."""
     context_parallel_size: int = 1

@@ -146,10 +146,35 @@ def schedule_for(name: str, micro_batches: int, stages: int, stage_id: int) -> d
     return cls(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
 
 
+def fp32_accumulator_sink(optimizer):
+    """Where a deferred weight gradient goes under DeepSpeed's ``BF16_Optimizer`` (bf16 at
+    ZeRO-0, and at ZeRO-1 with ``"data_types": {"grad_accum_dtype": "fp32"}``): its fp32
+    accumulator. That optimizer zeroes ``.grad`` before every backward and adds it into the fp32
+    accumulators after it (``update_hp_grads``), so a gradient added to ``.grad`` after its B is
+    wiped by the next backward or, in the cool-down, never counted. The W adds its bf16 gradient
+    in fp32 there, as ``update_hp_grads`` would have. None (``.grad``, where it is read at the
+    reduction) for every other optimizer: DeepSpeed's ZeRO-1 keeps ``.grad`` until the
+    ``ReduceGrads`` instruction, which runs after the last W."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    if type(optimizer) is not BF16_Optimizer:
+        return None
+    where = {id(p): (i, j) for i, group in enumerate(optimizer.bf16_groups) for j, p in enumerate(group)}
+
+    def sink(param, grad) -> bool:
+        i, j = where[id(param)]
+        hp = optimizer.fp32_groups_gradients[i][j]
+        hp.add_(grad.to(hp.dtype).view(hp.shape))
+        param._hp_grad = hp
+        optimizer.fp32_groups_has_gradients[i][j] = True
+        return True
+    return sink
+
+
 def install(engine, name: str, timeline: list | None = None) -> None:
     """Make ``engine.train_batch`` (a ``PipelineEngine``) run schedule ``name``; with
     ``timeline``, record each executed instruction there (see the module docstring)."""
-    weight_grad.STORE.configure(enabled=name == "zb-h1", reduce=engine.module.grad_sync.summed)
+    weight_grad.STORE.configure(enabled=name == "zb-h1", reduce=engine.module.grad_sync.summed,
+                                sink=fp32_accumulator_sink(engine.optimizer))
     table = dict(engine._INSTRUCTION_MAP)
     if name != "1f1b":
         engine._train_schedule = MethodType(
