@@ -52,13 +52,14 @@ class DispatchPlan:
 
 
 def plan_dispatch(expert_idx: torch.Tensor, num_experts: int,
-                  capacity: int | None = None) -> DispatchPlan:
+                  capacity: int | torch.Tensor | None = None) -> DispatchPlan:
     """Build the dispatch plan for a routing decision, without a device-to-host copy.
 
     Args:
         expert_idx: (T, k) chosen experts per token, best first.
         num_experts: E.
-        capacity: slots per expert, or None for dropless routing.
+        capacity: slots per expert, or (E,) int64 slots of each expert (context parallelism:
+            ``MoELayer._cp_capacity``), or None for dropless routing.
     """
     num_tokens, top_k = expert_idx.shape
     rows = torch.arange(top_k * num_tokens, device=expert_idx.device)     # (k*T,)
@@ -72,8 +73,10 @@ def plan_dispatch(expert_idx: torch.Tensor, num_experts: int,
     if capacity is not None:
         sorted_expert = flat_expert.gather(0, order)                       # (k*T,)
         position = rows - (torch.cumsum(routed, 0) - routed).gather(0, sorted_expert)
-        keep = position < capacity                                         # (k*T,) in sorted order
-        kept = routed.clamp(max=capacity)
+        if isinstance(capacity, torch.Tensor):                             # (E,) per expert
+            keep, kept = position < capacity.gather(0, sorted_expert), torch.minimum(routed, capacity)
+        else:
+            keep, kept = position < capacity, routed.clamp(max=capacity)   # (k*T,) in sorted order
         num_kept = kept.sum()
         # Kept rows packed by expert, dropped rows after them (still in priority order): each
         # row's destination by index arithmetic, instead of a boolean mask of data-dependent size.

@@ -20,6 +20,7 @@ from model.moe.experts import GroupedExperts
 from model.moe.router import Routing, TopKRouter
 from model.moe.shared import SharedExpertGate, SharedExperts
 from model.parallel import comm
+from model.parallel.cp_layout import from_cp_order, positions_for_cp
 from model.parallel.groups import ParallelGroups, local_experts
 from model.parallel.layers import enter_tp_region, leave_tp_region
 
@@ -161,13 +162,18 @@ class MoELayer(nn.Module):
         x, router_in = x.reshape(-1, shape[-1]), router_in.reshape(-1, shape[-1])   # (T, H)
         num_tokens = x.shape[0]
         total_tokens = num_tokens * ep * g.cp        # the micro-batch's T (split over ep x cp)
-        # Jitter noise per micro-batch sample (this ep rank's come after the lower ranks'), so
-        # that every layout draws the unsharded model's noise (see ``TopKRouter``).
+        # Jitter noise per micro-batch sample (this ep rank's come after the lower ranks'; a cp
+        # rank's are its chunks of them), so that every tp/ep/sp/cp layout draws the unsharded
+        # model's noise (see ``jitter_noise``).
         routing = Routing(*self.gate(router_in, first_sample=g.ep_rank * shape[0],
                                      num_samples=shape[0]))
-        capacity = moe.capacity(num_tokens, self.training)                  # per rank, pre-exchange
+        # Per ep rank, pre-exchange, over its samples' whole sequences (cp ranks: see _cp_capacity).
+        capacity = moe.capacity(num_tokens * g.cp, self.training)
         # Plan in rank order of experts (the identity without expert parallelism).
-        plan = dispatcher.plan_dispatch(self.expert_position[routing.expert_idx], moe.num_experts, capacity)
+        ranked = self.expert_position[routing.expert_idx]                   # (T, k)
+        if capacity is not None and g.cp > 1:
+            capacity = self._cp_capacity(ranked, shape[0], capacity)       # (E,) this rank's slots
+        plan = dispatcher.plan_dispatch(ranked, moe.num_experts, capacity)
         weights = comm.copy_to_region(routing.weights, tp_group)            # (T, k)
         shared = None
         if ep > 1 and g.ep_cross_group is not None:                         # across nodes, deduplicated
@@ -195,6 +201,38 @@ class MoELayer(nn.Module):
             logit_lse=(torch.logsumexp(routing.logits.detach().float(), dim=-1).sum() / total_tokens),
             step_counts=self.step_counts if moe.global_balance and self.training else None)
         return out, aux
+
+    # Eager also inside a compiled block: a collective of the cp group (cp with a capacity only).
+    @torch.compiler.disable
+    def _cp_capacity(self, ranked: torch.Tensor, num_samples: int, capacity: int) -> torch.Tensor:
+        """Under context parallelism with a capacity factor: (E,) how many of this rank's
+        assignments to each expert (rank order) the single process keeps, so that a token is
+        dropped exactly when it is dropped with the whole sequences on one rank.
+
+        The single process keeps, per expert, the first ``capacity`` assignments in priority
+        order (slot, then sample, then position: ``dispatcher.plan_dispatch``), ``capacity``
+        counted on the ep rank's whole sequences. The cp ranks' choices, (B, S/cp, k) each, are
+        all-gathered over the cp group (k x B x S/cp int64 from each rank, no gradient) and put back in
+        window order (``from_cp_order``); the whole plan's kept assignments that are this rank's
+        are counted per expert. A rank's tokens keep their window order, so the kept ones of an
+        expert are the first of this rank's own in its plan: ``plan_dispatch`` with these
+        per-expert slots drops exactly the tokens the single process drops. Cost per MoE layer
+        call: one all-gather of the choices and a k x B x S sort (the single process's plan).
+        """
+        g, E = self.groups, self.moe.num_experts
+        T, k = ranked.shape
+        local = T // num_samples                                            # S/cp
+        window = from_cp_order(comm.gather_dim(ranked.view(num_samples, local, k), 1, g.cp_group),
+                               g.cp, 1)                                     # (B, S, k)
+        S = window.shape[1]
+        mine = torch.zeros(S, dtype=torch.bool, device=ranked.device)
+        mine[positions_for_cp(S, g.cp, g.cp_rank, ranked.device)] = True
+        mine = mine.expand(num_samples, S).reshape(-1)                      # (B*S,) by token
+        whole = dispatcher.plan_dispatch(window.reshape(-1, k), E, capacity)
+        # The whole plan's kept rows (its first ones) that are this rank's, counted per expert.
+        kept = whole.row_kept & mine[whole.token_idx]                       # (k*B*S,)
+        expert = window.reshape(-1, k)[whole.token_idx, whole.slot_idx]    # (k*B*S,) rank order
+        return torch.zeros(E, dtype=torch.long, device=ranked.device).scatter_add_(0, expert, kept.long())
 
     def _shared(self, x: torch.Tensor, router_in: torch.Tensor) -> torch.Tensor:
         """(T, H) -> (T, H) the shared experts' output, partial over tp, times their gate."""

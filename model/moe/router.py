@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.moe.config import MoEConfig
+from model.parallel.cp_layout import split_for_cp
 from model.parallel.grad_sync import sum_grad_over
 from model.parallel.groups import ParallelGroups
 from model.parallel.layers import replicated
@@ -118,10 +119,11 @@ def _limit_to_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> tor
 
 
 def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first_sample: int = 0,
-                 num_samples: int = 1) -> torch.Tensor:
+                 num_samples: int = 1, cp: int = 1, cp_rank: int = 0) -> torch.Tensor:
     """Switch Transformer's jitter: U(1-eps, 1+eps) noise of ``shape`` (T, H), fp32, for T tokens
     made of ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
-    micro-batch.
+    micro-batch; under context parallelism (``cp`` > 1) each of them is cp rank ``cp_rank``'s
+    ``split_for_cp`` part of its sample (S/cp tokens).
 
     One base seed per call comes from the default CPU generator (a host draw: no device sync),
     and each sample's noise from its own stream, seeded by (base, sample index). Why:
@@ -144,6 +146,14 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
       seed also independent of the ep rank, an ep rank draws for its samples exactly what the
       unsharded model draws for them, and every tp/ep/sequence-parallel layout routes as one GPU.
       Cost: one reseed and one ``uniform_`` per local sample (1 in the Switch recipes at EP8).
+    * Context parallelism: the cp ranks of a sample hold its load-balanced chunk pairs; the
+      trainer's per-step seed leaves out the cp coordinate too, so they share the base seed, and
+      each rank draws every local sample's whole (S, H) noise, as the single process does, and
+      keeps its ``split_for_cp`` rows (a uniform draw cannot start mid-stream: on a GPU its values
+      depend on the tensor's size). Cost per call: cp times this rank's share of draws, one
+      transient (S, H) fp32 tensor per sample, the same draws as the single process; every token
+      then gets exactly the control's noise (``tests/parallel/test_context_parallel_routing.py``;
+      ``cp2-jitter-capacity-1`` in ``test_context_parallel_layouts.py``).
 
     Drawing the (T, H) noise on tp rank 0 and broadcasting it would need no seeding convention,
     but costs a T*H collective per MoE layer, as much as the layer's activations.
@@ -157,19 +167,28 @@ def jitter_noise(shape: tuple[int, int], eps: float, device: torch.device, first
     if torch.compiler.is_compiling():
         base_seed = torch.ops.moe.jitter_base(torch.empty(0, device="cpu"))   # (1,) int64
         return torch.ops.moe.jitter_noise(base_seed, list(shape), eps, device, first_sample,
-                                          num_samples)
+                                          num_samples, cp, cp_rank)
     base = int(torch.randint(1 << 62, (1,)).item())      # default CPU generator, a host value
-    return _noise_from(base, shape, eps, device, first_sample, num_samples)
+    return _noise_from(base, shape, eps, device, first_sample, num_samples, cp, cp_rank)
 
 
 def _noise_from(base: int, shape, eps: float, device: torch.device, first_sample: int,
-                num_samples: int) -> torch.Tensor:
+                num_samples: int, cp: int = 1, cp_rank: int = 0) -> torch.Tensor:
+    """The noise of ``num_samples`` samples from ``base``: each sample's (S, H) drawn whole from
+    its own stream; under cp, its rank ``cp_rank``'s ``split_for_cp`` rows of the S = cp x S/cp."""
     gen = torch.Generator(device=device)
-    noise = torch.empty((num_samples, shape[0] // num_samples, shape[1]), device=device,
-                        dtype=torch.float32)                            # (B, S, H)
+    local = shape[0] // num_samples                                      # S/cp tokens per sample
+    noise = torch.empty((num_samples, local, shape[1]), device=device,
+                        dtype=torch.float32)                             # (B, S/cp, H)
+    whole = noise if cp == 1 else torch.empty((1, local * cp, shape[1]), device=device,
+                                              dtype=torch.float32)        # (1, S, H) transient
     for b in range(num_samples):
         gen.manual_seed(_mix(base, first_sample + b))
-        noise[b].uniform_(1.0 - eps, 1.0 + eps, generator=gen)
+        if cp == 1:
+            noise[b].uniform_(1.0 - eps, 1.0 + eps, generator=gen)
+        else:
+            whole.uniform_(1.0 - eps, 1.0 + eps, generator=gen)
+            noise[b] = split_for_cp(whole, cp, cp_rank, 1)[0]
     return noise.view(shape)                                             # (T, H)
 
 
@@ -187,12 +206,13 @@ def _(on):
 
 @torch.library.custom_op("moe::jitter_noise", mutates_args=())
 def _jitter_noise_op(base_seed: torch.Tensor, shape: list[int], eps: float, device: torch.device,
-                     first_sample: int, num_samples: int) -> torch.Tensor:
-    return _noise_from(int(base_seed.item()), tuple(shape), eps, device, first_sample, num_samples)
+                     first_sample: int, num_samples: int, cp: int, cp_rank: int) -> torch.Tensor:
+    return _noise_from(int(base_seed.item()), tuple(shape), eps, device, first_sample, num_samples,
+                       cp, cp_rank)
 
 
 @_jitter_noise_op.register_fake
-def _(base_seed, shape, eps, device, first_sample, num_samples):
+def _(base_seed, shape, eps, device, first_sample, num_samples, cp, cp_rank):
     return torch.empty(shape, device=device, dtype=torch.float32)
 
 
@@ -260,10 +280,11 @@ class TopKRouter(nn.Module):
         """(T, H) -> (logits, probs, expert_idx, weights), as in ``Routing`` (fp32 tensors; the
         math in ``moe.router_dtype``, see ``route``). ``x`` holds
         ``num_samples`` equal sequences, the first being sample ``first_sample`` of the
-        micro-batch (for the jitter noise)."""
-        noise = None
+        micro-batch (for the jitter noise; under cp, this cp rank's ``split_for_cp`` part of each)."""
+        noise, g = None, self.groups
         if self.training and self.jitter > 0:
-            noise = jitter_noise(tuple(x.shape), self.jitter, x.device, first_sample, num_samples)
+            noise = jitter_noise(tuple(x.shape), self.jitter, x.device, first_sample, num_samples,
+                                 g.cp, g.cp_rank)
         moe = self.moe
         r = route(x, self.weight, self.top_k, moe.normalize_top_k, noise, moe.score_function,
                   self.e_score_correction_bias, moe.n_group, moe.topk_group,

@@ -28,8 +28,14 @@ checkpoint of dp x cp shards loads back); the checkpoints of CP2 at ZeRO-3, CP2 
 CP2 x EP2 consolidate (``interop/consolidate.py``, what export and evaluation read) into the
 control's weights.
 
-Router jitter is off (``model.moe.router_jitter=0``): under context parallelism each rank draws
-the noise of its own tokens, not the control's draw of the whole sequence.
+Router jitter is off (``model.moe.router_jitter=0``) in every layout but one: CP2 of Mixtral
+with jitter 0.1 and a capacity factor of 1.0 in training and eval (about 13% of the assignments
+dropped at step 1), against a control with them (``cp2-jitter-capacity-1``, also the dropped
+fraction every step): each cp rank draws the control's noise for its tokens and drops the tokens
+the control drops (``tests/parallel/test_context_parallel_routing.py`` checks it token by token).
+Before, each rank drew its own noise and counted the capacity on its S/cp tokens: the grad norm
+at step 1 was 0.92475 against the control's 0.92429 (0.92486 with only the noise wrong, 0.92433
+with only the capacity wrong), 50 to 600 times the tolerance below.
 
 Tolerance: fp32, relative 1e-5 on every compared value. A cp rank computes the control's sums
 over its part of the tokens and the exchanges add the parts in another order
@@ -69,6 +75,9 @@ MLA = ["model.attention=mla", "model.num_kv_heads=4", "model.q_lora_rank=24", "m
 
 
 PP2 = ["parallel.pipeline_parallel_size=2"]
+# Switch-style noise and token dropping on tiny Mixtral (top-2): 0.1 jitter, capacity 1.0.
+JITTER_CAPACITY = ["model.moe.router_jitter=0.1", "model.moe.capacity_factor=1.0",
+                   "model.moe.eval_capacity_factor=1.0"]
 # Two MTP depths (model/mtp.py) under document masking: their tokens ahead and targets cross the
 # cp chunks and the document boundaries, so each rank shifts them on the whole window first.
 MTP_DOCS = ["model.mtp_depth=2", "model.mtp_loss_coef=0.3"] + DOCS
@@ -93,6 +102,7 @@ LAYOUTS = {
     "ckpt-full-cp2-p2p-1": (2, 1, NO_JITTER + _cp(2, "p2p") + ["train.activation_checkpointing=full"], "mixtral"),
     "ckpt-attention-cp2-a2a-1": (2, 1, NO_JITTER + _cp(2, "a2a") + ["train.activation_checkpointing=attention"],
                                  "mixtral"),
+    "cp2-jitter-capacity-1": (2, 1, JITTER_CAPACITY + _cp(2, "a2a"), "jitter-capacity"),
     "cp4-a2a-1": (4, 1, NO_JITTER + _cp(4, "a2a"), "mixtral"),
     "dense-cp4-p2p-2": (4, 2, DENSE + _cp(4, "p2p"), "dense"),
     "cp4-p2p-1": (4, 1, NO_JITTER + _cp(4, "p2p"), "mixtral"),
@@ -109,7 +119,7 @@ LAYOUTS = {
 # name -> (DeepSpeed JSON, recipe overrides): ZeRO-1 on one process
 CONTROLS = {"mixtral": (1, NO_JITTER), "dense": (1, DENSE), "docs": (1, NO_JITTER + DOCS), "mla": (1, NO_JITTER + MLA),
             "mixtral-m4": ("1-m4x2", NO_JITTER), "mtp-docs": (1, NO_JITTER + MTP_DOCS),
-            "mla-mtp": (1, NO_JITTER + MLA + MTP_DOCS[:2])}
+            "mla-mtp": (1, NO_JITTER + MLA + MTP_DOCS[:2]), "jitter-capacity": (1, JITTER_CAPACITY)}
 
 
 def _config(tmp, stage) -> str:
@@ -153,6 +163,9 @@ def test_context_parallel_layout_matches_the_single_process_control(layout, runs
     assert len(got) == len(ref) == 10
     moe = not control.startswith("dense")
     keys = ["loss", "grad_norm"] + (["aux_loss", "z_loss", "expert_load_max_over_mean"] if moe else [])
+    if "capacity" in control:                # tokens dropped: the same fraction every step
+        keys.append("dropped_frac")
+        assert all(a["dropped_frac"] > 0 for a in ref), layout
     worst = dict.fromkeys([*keys, "grad_norm_layers", "mtp_loss"], 0.0)
     for a, b in zip(ref, got):
         assert ("aux_loss" in b) == moe and (b["tokens"], b["lr"]) == (a["tokens"], a["lr"]), layout

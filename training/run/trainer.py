@@ -197,11 +197,12 @@ class Run:
         for step in range(self.start_step + 1, tcfg.steps + 1):
             # Per-step seeding makes every RNG stream (router jitter, ...) a function of (seed,
             # step, pipeline and data-parallel coordinates), so a resumed run draws exactly what
-            # an uninterrupted one would, and every tp x ep layout draws the router noise of the
-            # single-process run (``jitter_noise`` seeds each sample from its global index; tp and
-            # ep are the fastest-varying rank coordinates, so rank // (tp * ep) drops them).
+            # an uninterrupted one would, and every tp x ep x cp layout draws the router noise of
+            # the single-process run (``jitter_noise`` seeds each sample from its global index and
+            # keeps a cp rank's chunks; tp, ep and cp are the fastest-varying rank coordinates,
+            # so rank // (tp * ep * cp) drops them).
             torch.manual_seed(tcfg.seed * 1_000_003 + step * 7919
-                              + ctx.rank // (ctx.groups.tp * ctx.groups.ep))
+                              + ctx.rank // (ctx.groups.tp * ctx.groups.ep * ctx.groups.cp))
             where.step, where.micro_batch, where.phase = step, None, "reading the step's batches"
             row, extra = stepper.train_step(step, sampler.batches_for_step(step - 1))
             sampler.step = step
