@@ -138,7 +138,8 @@ def dp_volume(psi: float, dp: int, accumulation: int, zero_stage: int, grad_byte
     - ZeRO-0: all-reduce of the gradients at the accumulation boundary, 2 psi (compressed:
       ``exchange_scale`` elements per gradient element, PowerSGD's P, Q and vectors);
     - ZeRO-1 (and Megatron's distributed optimizer): reduce-scatter of the gradients once, psi,
-      then all-gather of the updated parameters, psi;
+      then all-gather of the updated parameters, psi (compressed: PowerSGD's all-reduces in
+      place of the reduce-scatter);
     - ZeRO-2: DeepSpeed reduce-scatters on every micro-batch (m psi), then all-gathers (psi);
     - ZeRO-3 / FSDP: per micro-batch all-gather in forward and again in backward (2 psi) and
       a reduce-scatter of the gradients (psi).
@@ -148,6 +149,8 @@ def dp_volume(psi: float, dp: int, accumulation: int, zero_stage: int, grad_byte
     m, ring = accumulation, (dp - 1) / dp
     if zero_stage == 0:
         parts = {"grad_all_reduce": 2 * psi * grad_bytes * exchange_scale}
+    elif zero_stage == 1 and exchange_scale != 1.0:     # PowerSGD's all-reduces, then the gather
+        parts = {"grad_all_reduce": 2 * psi * grad_bytes * exchange_scale, "param_all_gather": psi * param_bytes}
     elif zero_stage == 1:
         parts = {"grad_reduce_scatter": psi * grad_bytes, "param_all_gather": psi * param_bytes}
     elif zero_stage == 2:

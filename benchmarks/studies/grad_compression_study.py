@@ -6,15 +6,17 @@ trainer's ``grad_exchange_bytes``, or the parameters' fp32/bf16 size for DeepSpe
 and the step time.
 
     OMP_NUM_THREADS=1 python -m benchmarks.studies.grad_compression_study --out DIR [--steps 300]
+                                                  [--config ds_configs/zero0_fp32.json]
 
-2 ranks (torchrun, gloo on CPU), dp2, fp32 ZeRO-0 (``ds_configs/zero0_fp32.json``: what PowerSGD
-runs at), micro-batch 4 x 64 tokens per rank, the recipes' widths halved (hidden 64, 2 layers)
+2 ranks (torchrun, gloo on CPU), dp2, fp32 ZeRO-0 (``ds_configs/zero0_fp32.json``) or the JSON
+``--config`` names (``ds_configs/zero0.json`` or ``zero1.json``: bf16), micro-batch 4 x 64 tokens per rank, the recipes' widths halved (hidden 64, 2 layers)
 so that the 28 runs fit in about 7 minutes on 2 cores; PowerSGD starts after 10 uncompressed
 steps (the recipe default). The runs and ``DIR/results.json`` (one row per run: final loss =
 mean of the last 20 steps, bytes, step time) go to ``DIR``; ``grad_compression.json`` (per
 setting: mean and spread over the seeds, the gap to the uncompressed run) to ``--results``
 (default ``benchmarks/studies/results/``) and ``grad_compression_loss.png`` to ``--figures``
-(default ``docs/studies/img/``).
+(default ``docs/studies/img/``); with another ``--config`` both names carry it
+(``grad_compression_zero1.json``, ``grad_compression_zero1_loss.png``).
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _config(out: Path) -> Path:
-    cfg = json.loads((REPO / "ds_configs" / "zero0_fp32.json").read_text())
+def _config(out: Path, name: str) -> Path:
+    cfg = json.loads((REPO / "ds_configs" / f"{name}.json").read_text())
     cfg["train_micro_batch_size_per_gpu"] = 4
-    path = out / "zero0_fp32_micro4.json"
+    path = out / f"{name}_micro4.json"
     path.write_text(json.dumps(cfg, indent=1))
     return path
 
@@ -115,7 +117,7 @@ def _summary(results: list[dict]) -> dict:
     return out
 
 
-def _plot(results: list[dict], out: Path) -> None:
+def _plot(results: list[dict], out: Path, config: str, stem: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,13 +135,13 @@ def _plot(results: list[dict], out: Path) -> None:
             ax.plot(range(1, len(smooth) + 1), smooth, color=colors[r["setting"]],
                     linestyle="-" if r["seed"] == SEEDS[0] else "--",
                     label=r["setting"] if r["seed"] == SEEDS[0] else None, linewidth=1)
-        ax.set_title(f"tiny {model}, dp2 fp32 ZeRO-0 (dashed: second seed)")
+        ax.set_title(f"tiny {model}, dp2 {config} (dashed: second seed)")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("training loss (10-step mean)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out / "grad_compression_loss.png", dpi=110)
+    fig.savefig(out / f"{stem}_loss.png", dpi=110)
 
 
 def main(argv=None) -> int:
@@ -151,14 +153,20 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(s for s, _ in SETTINGS),
                    help="a subset of the settings (none must be among them)")
     p.add_argument("--seeds", type=int, default=len(SEEDS), choices=range(1, len(SEEDS) + 1))
+    p.add_argument("--config", default="ds_configs/zero0_fp32.json", type=Path,
+                   help="the DeepSpeed JSON: ds_configs/zero0_fp32.json, zero1_fp32.json, zero0.json or zero1.json (bf16)")
     args = p.parse_args(argv)
+    if args.config.stem not in ("zero0_fp32", "zero1_fp32", "zero0", "zero1"):
+        p.error(f"--config {args.config}: use ds_configs/zero0_fp32.json, zero1_fp32.json, zero0.json or zero1.json")
+    args.config = args.config.stem
     models, settings = args.models.split(","), args.settings.split(",")
     unknown = sorted(set(models) - set(MODELS)) + sorted(set(settings) - {s for s, _ in SETTINGS})
     if unknown or "none" not in settings or args.steps <= TAIL:
         p.error(f"unknown models/settings {unknown}, or no 'none' setting, or --steps <= {TAIL}")
     args.out.mkdir(parents=True, exist_ok=True)
     results_folder, figures = output_dirs(args, "studies")
-    config = _config(args.out)
+    config = _config(args.out, args.config)
+    stem = "grad_compression" + ("" if args.config == "zero0_fp32" else f"_{args.config}")
     plan = [(m, s, sets, seed) for m in models for s, sets in SETTINGS if s in settings
             for seed in SEEDS[:args.seeds]]
     results, started = [], time.time()
@@ -174,10 +182,9 @@ def main(argv=None) -> int:
     _fill_deepspeed_bytes(results)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     summary = _summary(results)
-    (results_folder / "grad_compression.json").write_text(json.dumps(summary, indent=1))
-    _plot(results, figures)
-    print(f"wrote {results_folder / 'grad_compression.json'} and {figures / 'grad_compression_loss.png'}",
-          file=sys.stderr)
+    (results_folder / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    _plot(results, figures, args.config, stem)
+    print(f"wrote {results_folder / f'{stem}.json'} and {figures / f'{stem}_loss.png'}", file=sys.stderr)
     print(json.dumps(summary, indent=1))
     return 0
 

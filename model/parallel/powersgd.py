@@ -28,7 +28,12 @@ error-feedback state starts from there).
 
 State per rank: the errors (one fp32 copy of the compressed gradients: this rank's own) and Q
 (the same on every rank); ``state_dict`` carries both, so that a resumed run reduces exactly as
-the uninterrupted one.
+the uninterrupted one. Half-precision (bf16) gradients are compressed in fp32: the sum with the
+errors, Q, the QR and the result are fp32, written back rounded; what goes on the wire (the
+vectors, P and Q; every gradient in the uncompressed steps) is in the gradients' own dtype, as
+DeepSpeed's all-reduce sends it, so a rank-r step sends r (n + m) bf16 numbers per matrix. The
+error feedback takes the factors' rounding as it takes the projection's: the error is M' minus
+the P Q^T that every rank applies.
 """
 
 from __future__ import annotations
@@ -144,28 +149,31 @@ class PowerSGD:
             grads.append(p.grad)
         return grads
 
-    def _mean(self, tensors: list[torch.Tensor]) -> int:
-        """Average ``tensors`` over the group in place, in buckets; returns the bytes sent."""
+    def _mean(self, tensors: list[torch.Tensor], wire: torch.dtype | None = None) -> int:
+        """Average ``tensors`` over the group in place, in buckets, sent as ``wire`` (None: their
+        own dtype); returns the bytes sent."""
         sent = 0
         for chunk in _chunks(tensors, self.bucket_numel):
             flat = _flatten_dense_tensors(chunk)
-            comm.all_reduce_sum(flat, self.group).div_(self.world)
-            sent += flat.numel() * flat.element_size()
+            sending = flat if wire is None else flat.to(wire)
+            comm.all_reduce_sum(sending, self.group)
+            sent += sending.numel() * sending.element_size()
+            flat = sending.to(flat.dtype).div_(self.world)
             for t, mean in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
                 t.copy_(mean)
         return sent
 
     def _start_state(self, grads: list[torch.Tensor]) -> tuple[list, list]:
-        """Q's first draw (from ``seed``: the same on every rank) and zero errors."""
+        """Q's first draw (from ``seed``: the same on every rank) and zero errors, fp32."""
         gen = torch.Generator().manual_seed(self.seed)
         q, errors = [], []
         for g, view in zip(grads, self.views):
             if view is None:
                 continue
             batch, rows, cols = view
-            q.append(torch.randn(batch, cols, self.rank, generator=gen).to(g.device, g.dtype))
+            q.append(torch.randn(batch, cols, self.rank, generator=gen).to(g.device))
             if self.error_feedback:
-                errors.append(torch.zeros(batch, rows, cols, device=g.device, dtype=g.dtype))
+                errors.append(torch.zeros(batch, rows, cols, device=g.device))
         return q, errors
 
     @torch.no_grad()
@@ -190,17 +198,20 @@ class PowerSGD:
             return
         fresh = self.q is None          # the first compressed step: its start state is nobody's yet
         q_old, e_old = self._start_state(grads) if fresh else (self.q, self.errors)
-        mats, plain = [], []
+        given, plain_given = [], []
         for g, view in zip(grads, self.views):
-            (plain if view is None else mats).append(g if view is None else g.view(view))
+            (plain_given if view is None else given).append(g if view is None else g.view(view))
+        # In fp32 (bf16 gradients: fp32 copies, written back at the end; fp32: the gradients).
+        mats, plain = [m.float() for m in given], [t.float() for t in plain_given]
         if self.error_feedback:
             for m, e in zip(mats, e_old):
                 m.add_(e)
+        wire = grads[0].dtype if grads else None     # sent as the gradients are (bf16: bf16)
         ps = [torch.bmm(m, q) for m, q in zip(mats, q_old)]
-        sent = self._mean(plain + ps)                           # the vectors and every P at once
+        sent = self._mean(plain + ps, wire)                     # the vectors and every P at once
         ps = [torch.linalg.qr(p).Q for p in ps]                 # orthonormal columns, batched
         qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(mats, ps)]
-        sent += self._mean(qs)
+        sent += self._mean(qs, wire)
         e_new = e_old                   # overwritten in place: committed now, or fresh zeros
         if self.error_feedback and tentative and not fresh:
             if self._spare is None:
@@ -211,6 +222,9 @@ class PowerSGD:
             if self.error_feedback:
                 torch.sub(m, approx, out=e_new[i])
             m.copy_(approx)
+        for out, work in zip(given + plain_given, mats + plain):
+            if out is not work:         # half-precision gradients: the result, rounded
+                out.copy_(work)
         self.last_bytes = sent
         self._settle(tentative, reductions, qs, e_new)
 

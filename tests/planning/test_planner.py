@@ -147,7 +147,7 @@ def test_estimate_prints_the_predicted_step_and_a_calibration_moves_it(capsys):
 
 def test_the_planner_keeps_powersgd_where_it_applies_and_counts_its_bytes(capsys):
     """``--set parallel.grad_compression=powersgd`` (fp32: the zero0_fp32 JSON): every layout the
-    planner ranks is one the trainer accepts PowerSGD at (ZeRO-0, no pipeline stages), its
+    planner ranks is one the trainer accepts PowerSGD at (ZeRO-0 or 1, no pipeline stages), its
     command sets the key, and its data-parallel bytes are PowerSGD's, a small fraction of the
     same layout's uncompressed all-reduce (dense 7B, rank 4: r (n + m) of n m per matrix)."""
     from launch.train import parse_args
@@ -157,16 +157,16 @@ def test_the_planner_keeps_powersgd_where_it_applies_and_counts_its_bytes(capsys
     assert estimate_memory.main(argv + ["--set", "parallel.grad_compression=powersgd"]) == 0
     compressed = json.loads(capsys.readouterr().out)
     assert compressed["layouts"] and all(
-        row["zero_stage"] == 0 and row["pp"] == 1 and row["grad_compression"] == "powersgd"
+        row["zero_stage"] in (0, 1) and row["pp"] == 1 and row["grad_compression"] == "powersgd"
         for row in compressed["layouts"]), compressed["layouts"][:3]
     command = compressed["command"].split()
     assert load_recipe("recipes/dense_7b.yaml", parse_args(command[command.index("launch/train.py") + 1:]).set
                        ).parallel.grad_compression == "powersgd"
     assert estimate_memory.main(argv) == 0
-    plain = {(r["zero_stage"], r["tp"], r["micro_batch"], r["activation_checkpointing"]): r
-             for r in json.loads(capsys.readouterr().out)["layouts"]}
-    pairs = [(row, plain[key]) for row in compressed["layouts"]
-             if (key := (0, row["tp"], row["micro_batch"], row["activation_checkpointing"])) in plain]
+    key = lambda r: (r["zero_stage"], r["tp"], r["pp"], r["micro_batch"], r["activation_checkpointing"])  # noqa: E731
+    plain = {key(r): r for r in json.loads(capsys.readouterr().out)["layouts"]}
+    pairs = [(row, plain[key(row)]) for row in compressed["layouts"] if key(row) in plain]
     assert pairs, "no layout ranked both ways"
-    for row, same in pairs:
-        assert 0 < row["volumes"]["dp_bytes"] < same["volumes"]["dp_bytes"] / 100, (row["volumes"], same["volumes"])
+    for row, same in pairs:         # ZeRO-1 keeps its all-gather of the parameters (psi elements)
+        bound = same["volumes"]["dp_bytes"] / (100 if row["zero_stage"] == 0 else 1.9)
+        assert 0 < row["volumes"]["dp_bytes"] < bound, (row, same["volumes"])

@@ -115,11 +115,11 @@ def check_layout(ds: dict, dims: ParallelDims) -> None:
 def apply_grad_compression(ds: dict, compression: str, dims: ParallelDims) -> dict:
     """The DeepSpeed JSON for recipe key ``parallel.grad_compression`` at layout ``dims``
     (``docs/communication.md``, "Gradient compression"): ``bf16`` sets DeepSpeed's
-    ``communication_data_type`` (its reductions cast the gradients to bf16 and back, ZeRO 0-2);
-    ``powersgd`` leaves the JSON as it is (the trainer replaces DeepSpeed's reduction,
-    ``build_compressor``) and runs only at ZeRO-0 in fp32 without pipeline
-    stages, where DeepSpeed's all-reduce after backward is the whole exchange; ZeRO 1-3 and
-    bf16/fp16 ZeRO-0 reduce inside DeepSpeed's optimizers.
+    ``communication_data_type`` (its reductions, all-reduce or ZeRO-3's reduce-scatter, cast the
+    gradients to bf16 and back); ``powersgd`` leaves the JSON as it is (the trainer replaces
+    DeepSpeed's reduction, ``build_compressor``) and runs where DeepSpeed reduces the whole
+    ``.grad`` once after backward: ZeRO-0 and ZeRO-1 (without ``overlap_comm``, offload or
+    ``BF16_Optimizer``), in fp32 or bf16, without pipeline stages.
 
     Raises:
         ValueError: one line naming the key, for a setting that cannot apply here.
@@ -133,21 +133,37 @@ def apply_grad_compression(ds: dict, compression: str, dims: ParallelDims) -> di
     if "communication_data_type" in ds:
         raise ValueError(f"{key} and ds_config.communication_data_type "
                          f"({ds['communication_data_type']!r}) both set the exchange: keep one of them")
-    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    zero = ds.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
     fp16 = (ds.get("fp16") or {}).get("enabled")
-    half = fp16 or any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16"))
+    bf16 = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "bfloat16"))
     if compression == "bf16":
-        if stage == 3 or fp16:
-            raise ValueError(f"{key} applies at ZeRO 0-2 in fp32 or bf16 (DeepSpeed's "
-                             f"communication_data_type), not at {'fp16' if fp16 else 'ZeRO-3'}: "
-                             f"use none, or a zero0/1/2 JSON")
+        if fp16:
+            raise ValueError(f"{key} applies in fp32 or bf16 (DeepSpeed's communication_data_type), "
+                             f"not under fp16, whose gradients carry the loss scale: use none")
         return {**ds, "communication_data_type": "bf16"}
-    if stage != 0 or half or dims.pp > 1:
-        where = (f"ZeRO-{stage}" if stage else "bf16/fp16" if half else
-                 f"pipeline_parallel_size {dims.pp}")
-        raise ValueError(f"{key} runs at ZeRO-0 in fp32 without pipeline stages (where DeepSpeed's "
-                         f"all-reduce after backward is the whole exchange), not at {where}: use "
-                         f"ds_configs/zero0_fp32.json, or grad_compression bf16 (ZeRO 0-2) / none")
+    why = None
+    if fp16:
+        why = "fp16 (its gradients carry the dynamic loss scale, which the error feedback would keep)"
+    elif stage >= 2:
+        why = (f"ZeRO-{stage} (it reduce-scatters each gradient inside backward's hooks: there is no "
+               f"whole-gradient exchange after backward to replace)")
+    elif dims.pp > 1:
+        why = (f"pipeline_parallel_size {dims.pp} (the pipeline engine reduces in its own ReduceGrads "
+               f"instruction)")
+    elif stage == 1 and zero.get("overlap_comm"):
+        why = "ZeRO-1 with overlap_comm (it reduces inside backward's hooks): set overlap_comm false"
+    elif stage == 1 and (zero.get("offload_optimizer") or {}).get("device", "none") != "none":
+        why = "ZeRO-1 with offload_optimizer (it moves the gradients to the CPU inside backward's hooks)"
+    elif stage == 1 and bf16 and str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower() in (
+            "fp32", "float32", "float"):
+        why = ("bf16 ZeRO-1 with data_types.grad_accum_dtype fp32 (DeepSpeed's BF16_Optimizer then "
+               "reduces its own fp32 accumulators, not .grad): drop grad_accum_dtype")
+    if why:
+        raise ValueError(f"{key} runs at ZeRO-0 or ZeRO-1 in fp32 or bf16 without pipeline stages, "
+                         f"where DeepSpeed's reduction after backward is the whole exchange, not at {why}: "
+                         f"use ds_configs/zero0_fp32.json, zero1.json or zero1_fp32.json, or "
+                         f"grad_compression bf16 / none")
     return ds
 
 

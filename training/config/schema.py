@@ -51,7 +51,7 @@ class ParallelConfig:
     backend: Literal["auto", "nccl", "gloo", "cuda:gloo"] = "auto"
     """auto (NCCL on GPUs, gloo on CPU); cuda:gloo refuses CPU tensors as NCCL does, on one GPU."""
     grad_compression: Literal["none", "bf16", "powersgd"] = "none"
-    """The data-parallel gradient exchange: bf16 (DeepSpeed's communication_data_type, ZeRO 0-2) or powersgd (ZeRO-0 fp32)."""
+    """The data-parallel gradient exchange: bf16 (DeepSpeed's communication_data_type) or powersgd (ZeRO-0/1, fp32 or bf16)."""
     powersgd_rank: int = 4
     """PowerSGD's factor width r: r (n + m) numbers per n x m gradient matrix instead of n m."""
     powersgd_start_steps: int = 10

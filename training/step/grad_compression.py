@@ -46,20 +46,43 @@ def build_compressor(recipe, engine, groups) -> PowerSGD | None:
                     member_rank=lambda i: i * mp + groups.mp_rank)
 
 
-def exchange(compressor: PowerSGD, decision, prepare, recipe) -> None:
-    """PowerSGD's exchange of the step's gradients around ``prepare(decision)`` (the gradient
-    norm, the skip decision and the clip: ``Stepper._prepare_last_step``). A step skipped before
-    it (a loss spike, a non-finite loss) does not reduce. Under a gradient-norm spike test that
-    can skip (``train.grad_spike_factor``, ``spike_action`` skip or stop) the reduction is
-    tentative until ``prepare`` has decided from the global norm (the same on every rank): a
-    skipped step leaves the count, Q and the error feedback as they were."""
+def hand_over(engine):
+    """What ZeRO-1 needs after the exchange, or None (ZeRO-0: its optimizer reads ``.grad``).
+    ``DeepSpeedZeroOptimizer`` (bf16 ZeRO-1) takes its partition of the averaged gradients in
+    its reduction's epilogue (``independent_gradient_partition_epilogue``: the partition copied
+    from ``.grad``; its bucket is empty, as nothing was reduced through it): called alone, it
+    keeps each rank's partition of what PowerSGD averaged, and ``engine.step`` goes on as after
+    DeepSpeed's own reduction."""
+    epilogue = getattr(engine.optimizer, "independent_gradient_partition_epilogue", None)
+    return epilogue if int(engine.zero_optimization_stage()) == 1 else None
+
+
+def exchange(stepper, decision) -> None:
+    """PowerSGD's exchange of the step's gradients around ``stepper._prepare_last_step(decision)``
+    (the gradient norm, the skip decision and the clip). A step skipped before it (a loss spike,
+    a non-finite loss) does not reduce; its gradients are zeroed (an optimizer step at lr 0 then
+    only decays AdamW's moments, as at ZeRO-0) and, at ZeRO-1, handed over. Where the trainer
+    computes the gradient norm itself (fp32 ZeRO-0) a gradient-norm spike test that can skip
+    (``train.grad_spike_factor``, ``spike_action`` skip or stop) decides after the exchange,
+    from the global norm (the same on every rank): the reduction is then tentative, and a
+    skipped step leaves the count, Q and the error feedback as they were. Elsewhere DeepSpeed
+    reports the norm after its step, and a spike is logged, not skipped."""
+    compressor, prepare, train = stepper.compressor, stepper._prepare_last_step, stepper.recipe.train
+    after = hand_over(stepper.engine)
     if decision.skip_reason is None:
-        train = recipe.train
-        tentative = train.grad_spike_factor is not None and train.spike_action != "log"
+        tentative = (train.grad_spike_factor is not None and train.spike_action != "log"
+                     and stepper.zero_stage == 0 and not stepper.half)
         compressor.reduce(tentative=tentative)
         decision.exchange_bytes = compressor.last_bytes
+        if after is not None:
+            after()
         prepare(decision)
         if tentative:
             (compressor.commit if decision.skip_reason is None else compressor.rollback)()
     else:
         prepare(decision)
+        for _, p in compressor.params:
+            if p.grad is not None:
+                p.grad.zero_()
+        if after is not None:
+            after()

@@ -176,7 +176,7 @@ class Stepper:
             if last:
                 if self.compressor is not None:
                     where.phase = "gradient exchange (PowerSGD)"
-                    grad_compression.exchange(self.compressor, decision, self._prepare_last_step, self.recipe)
+                    grad_compression.exchange(self, decision)
                 else:
                     self._prepare_last_step(decision)
                 where.phase = "optimizer step"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from deepspeed import comm as ds_comm
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
@@ -50,6 +51,23 @@ def counted_all_reduce(tensor, *args, **kwargs):
     if sent is not None:
         sent[_caller()] += tensor.numel() * tensor.element_size()
     return all_reduce(tensor, *args, **kwargs)
+
+
+def _counted(name: str, position: int, module=dist):
+    """``module.<name>`` counting the bytes of its argument ``position`` (what this rank hands
+    over: a reduce-scatter's whole input, an all-gather's own shard, a reduce's tensor) under
+    "<caller>:<name>"."""
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        if sent is not None and len(args) > position and torch.is_tensor(args[position]):
+            sent[f"{_caller()}:{name}"] += args[position].numel() * args[position].element_size()
+        return original(*args, **kwargs)
+    return counted
+
+
+OTHER_COLLECTIVES = {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1, "all_gather": 1, "reduce": 0,
+                     "broadcast": 0}
 
 
 def fingerprint(compressor) -> str | None:
@@ -96,6 +114,11 @@ def counted_train_step(self, step, batches):
 
 
 dist.all_reduce = counted_all_reduce
+for _name, _position in OTHER_COLLECTIVES.items():
+    setattr(dist, _name, _counted(_name, _position))
+# ZeRO-1's all-gather of the updated parameters goes through deepspeed.comm, which keeps its own
+# reference to torch's function.
+setattr(ds_comm, "all_gather_into_tensor", _counted("all_gather_into_tensor", 1, ds_comm))
 stepper.Stepper.train_step = counted_train_step
 stepper.Stepper._forward = spiked_forward
 

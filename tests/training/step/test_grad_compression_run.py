@@ -240,13 +240,89 @@ def test_resume_continues_bitwise(runs):
         assert [a[s]["state"] for s in (4, 5, 6)] == [b[s]["state"] for s in (4, 5, 6)]
 
 
+def test_bf16_compression_at_zero3_casts_the_reduce_scatter(warm_launcher, tmp_path):
+    """``grad_compression: bf16`` at fp32 ZeRO-3 (dp2, 4 steps): DeepSpeed's ZeRO-3
+    reduce-scatter takes ``communication_data_type`` (its ``__avg_scatter_grads`` casts each
+    bucket), so the key applies there too. The losses equal the uncompressed run's within 1e-5
+    (the first step's exactly), and the grad norms differ by bf16's rounding, neither 0 (the
+    cast happened) nor more than 1e-3 relative (8 bits of mantissa, two ranks)."""
+    config = ds_variant(tmp_path, "zero3_fp32", train_micro_batch_size_per_gpu=4)
+    warm_launcher.launch_many([(tmp_path / name, config, ["eval.every=0", *extra]) for name, extra in
+                               (("none", []), ("bf16", ["parallel.grad_compression=bf16"]))], steps=4)
+    resolved = json.loads((tmp_path / "bf16" / "config.json").read_text())["ds_config"]
+    assert resolved["communication_data_type"] == "bf16"
+    fp32, bf16 = rows(tmp_path / "none"), rows(tmp_path / "bf16")
+    assert len(fp32) == len(bf16) == 4 and fp32[0]["loss"] == bf16[0]["loss"]
+    norms = [abs(b["grad_norm"] - a["grad_norm"]) / a["grad_norm"] for a, b in zip(fp32, bf16)]
+    assert 0 < max(norms) <= 1e-3, norms
+    assert all(abs(b["loss"] - a["loss"]) <= 1e-5 * a["loss"] for a, b in zip(fp32, bf16)), (fp32, bf16)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(warm_launcher, tmp_path_factory) -> Path:
+    """bf16, dp2, tiny Mixtral, at ZeRO-0 (``zero0.json``: DeepSpeed's bf16 optimizer reads
+    ``.grad``) and ZeRO-1 (``zero1.json``: ``DeepSpeedZeroOptimizer`` takes its partition after
+    the exchange): uncompressed, PowerSGD rank 4 from step 3 (6 steps, a checkpoint at step 3),
+    and the PowerSGD run resumed from step 3 as after a crash."""
+    tmp = tmp_path_factory.mktemp("exchange-bf16")
+    for base in ("zero0", "zero1"):
+        config = ds_variant(tmp, base, train_micro_batch_size_per_gpu=4)
+        for name, extra in (("none", []), ("powersgd", POWERSGD + ["train.save_every=3"])):
+            warm_launcher.launch(tmp / f"{base}-{name}", config, steps=6, script=SCRIPT,
+                                 extra=["eval.every=0", *extra],
+                                 extra_env={"EXCHANGE_OUT": str(tmp / f"{base}-{name}-bytes")})
+        resumed = tmp / f"{base}-resumed"
+        shutil.copytree(tmp / f"{base}-powersgd", resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step00000006")
+        (resumed / "checkpoints" / "latest").write_text("step00000003")
+        (resumed / "metrics.jsonl").write_text("")
+        warm_launcher.launch(resumed, config, steps=6, script=SCRIPT,
+                             extra=["eval.every=0", *POWERSGD, "train.save_every=3"],
+                             extra_env={"EXCHANGE_OUT": str(tmp / f"{base}-resumed-bytes")})
+    return tmp
+
+
+@pytest.mark.parametrize("base", ["zero0", "zero1"])
+def test_powersgd_in_bf16_sends_an_eighth_tracks_the_loss_and_resumes_exactly(bf16_runs, base):
+    """PowerSGD rank 4 in bf16 (what goes on the wire is bf16, the compression fp32): a
+    compressed step hands the all-reduces at most 1/8 of the bytes of the uncompressed run's
+    gradient exchange, which PowerSGD's uncompressed start equals; DeepSpeed exchanges no gradient;
+    ZeRO-1's all-gather of the updated parameters, which compression cannot shrink, is counted
+    apart and is the same in both runs. The losses stay within 1% of the uncompressed run's over
+    the 6 steps (the 200-step figures: docs/communication.md); the resume from step 3 logs the
+    same losses, grad norms and bytes and holds the same PowerSGD state, bitwise."""
+    none, psgd = _bytes(bf16_runs, f"{base}-none"), _bytes(bf16_runs, f"{base}-powersgd")
+    exchange = none[2]["bytes"]["deepspeed"]
+    assert psgd[1]["bytes"]["powersgd"] == psgd[2]["bytes"]["powersgd"] <= exchange <= psgd[1]["bytes"]["powersgd"] + SCALARS
+    for step in (3, 4, 5, 6):
+        assert psgd[step]["bytes"]["powersgd"] * 8 <= exchange, (psgd[step], exchange)
+        assert psgd[step]["bytes"].get("deepspeed", 0) <= SCALARS
+        gather = "deepspeed:all_gather_into_tensor"
+        assert psgd[step]["bytes"].get(gather) == none[step]["bytes"].get(gather), (psgd[step], none[step])
+        assert (psgd[step]["bytes"].get(gather, 0) > 0) == (base == "zero1")
+    logged, plain = rows(bf16_runs / f"{base}-powersgd"), rows(bf16_runs / f"{base}-none")
+    assert len(logged) == len(plain) == 6 and all("skipped" not in r for r in logged)
+    for a, b in zip(plain, logged):
+        assert abs(b["loss"] - a["loss"]) <= 0.01 * a["loss"], (a, b)
+    resumed = rows(bf16_runs / f"{base}-resumed")
+    keys = ("loss", "grad_norm", "grad_exchange_bytes")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in logged[3:]]
+    for rank in range(2):
+        a, b = _bytes(bf16_runs, f"{base}-powersgd", rank), _bytes(bf16_runs, f"{base}-resumed", rank)
+        assert [a[s]["state"] for s in (4, 5, 6)] == [b[s]["state"] for s in (4, 5, 6)]
+
+
 @pytest.mark.parametrize("world, config, sets, message", [
-    (2, "zero1_fp32", ["parallel.grad_compression=powersgd"], "runs at ZeRO-0 in fp32 without pipeline stages"),
-    (2, "zero0", ["parallel.grad_compression=powersgd"], "not at bf16/fp16"),
+    (2, "zero2_fp32", ["parallel.grad_compression=powersgd"], "runs at ZeRO-0 or ZeRO-1 in fp32 or bf16"),
+    (2, "zero3", ["parallel.grad_compression=powersgd"], "not at ZeRO-3 (it reduce-scatters"),
+    (2, "zero1", ["parallel.grad_compression=powersgd", "ds.zero_optimization.overlap_comm=true"],
+     "ZeRO-1 with overlap_comm"),
+    (2, "zero1", ["parallel.grad_compression=powersgd", "ds.data_types.grad_accum_dtype=fp32"],
+     "BF16_Optimizer then reduces its own fp32 accumulators"),
     (4, "zero0_fp32", ["parallel.grad_compression=powersgd", "parallel.pipeline_parallel_size=2"],
      "not at pipeline_parallel_size 2"),
     (1, "zero0_fp32", ["parallel.grad_compression=powersgd"], "one data-parallel rank"),
-    (2, "zero3", ["parallel.grad_compression=bf16"], "not at ZeRO-3"),
     (2, "zero2", ["parallel.grad_compression=bf16", "ds.communication_data_type=fp32"],
      "ds_config.communication_data_type ('fp32') both set the exchange"),
     (2, "zero0_fp32", ["parallel.powersgd_rank=8"], "parallel.powersgd_rank (8) is set but parallel.grad_compression is none"),
