@@ -10,9 +10,14 @@ step time (at 1,024 ranks and the automatic 10 s period, about 100 renames per s
 folder), and never fsynced: it is worthless after a crash.
 
 ``survey`` reads them to say which ranks are not running: a rank on this host through ``/proc``,
-another host's by a counter that stops moving (no clock is compared across nodes). A rank reads
-the files of the ranks below it until it finds one alive (usually rank 0: one file), so on a
-hang only the lowest live rank reads them all.
+another host's by a counter that stops moving over ``observe_s`` (no clock is compared across
+nodes). It reads every file once, then waits ``observe_s`` once for all the ranks on other hosts
+together (those below it and the rest) and reads theirs again, so it takes ``observe_s`` plus
+two reads of the folder whatever the number of hosts (the watchdog bounds it by
+``watchdog.survey_bound_s``: 2.5 heartbeat periods + 10 s). It reads rank 0 first, then the
+ranks below it downwards, and stops at the first one found alive: rank 0 once it has marked its
+own heartbeat hung (one file), else the rank just below, on the same host (two files). So on a
+hang only the lowest live rank and the first rank of each host read every file.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class HeartbeatWriter:
     def __init__(self, path: Path, interval_s: float):
         self.path, self.interval_s = Path(path), interval_s
         self._record: dict | None = None          # the newest record not yet written
+        self._puts = self._written = 0            # records put; the number of the last one written
         self._writing_since: float | None = None  # when the write in progress began
         self._wake = threading.Condition()
         self._stop = False
@@ -52,7 +58,7 @@ class HeartbeatWriter:
         as the write in progress is done: the first completed step, the final state); a newer
         one replaces a record still waiting."""
         with self._wake:
-            self._record = record
+            self._record, self._puts = record, self._puts + 1
             self._now = self._now or now
             self._wake.notify()
 
@@ -62,10 +68,12 @@ class HeartbeatWriter:
         return 0.0 if since is None else time.monotonic() - since
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the waiting record to be written; whether it was."""
+        """Wait up to ``timeout_s`` for the last record put so far to be written (or a newer one
+        that replaced it); whether it was. Records put meanwhile are not waited for."""
         deadline = time.monotonic() + timeout_s
         with self._wake:
-            while self._record is not None or self._writing_since is not None:
+            target = self._puts
+            while self._written < target:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -90,14 +98,14 @@ class HeartbeatWriter:
                 record, self._record, self._now = self._record, None, False
                 if record is None:
                     continue
-                self._writing_since = time.monotonic()
+                self._writing_since, number = time.monotonic(), self._puts
             try:
                 atomic_write(self.path, json.dumps(record), durable=False)
             except OSError:
                 pass                    # a full disk: the watchdog decides without this file
             finally:
                 with self._wake:
-                    self._writing_since, last = None, time.monotonic()
+                    self._writing_since, last, self._written = None, time.monotonic(), number
                     self._wake.notify_all()
 
 
@@ -127,11 +135,11 @@ def survey(run_dir: Path, rank: int, world: int, launch, observe_s: float) -> tu
     speaks for the job), and then ``stopped`` lists the records of every rank that is not
     running (its last heartbeat; ``{"rank": r}`` when it wrote none in this launch). A rank
     is not running when its heartbeat is of another launch or missing, its process on this host
-    has ended or stopped, or, on another host, its counter does not move in ``observe_s``.
+    has ended or stopped, or, on another host, its counter does not move in ``observe_s``. One
+    wait of ``observe_s`` covers every rank on another host (see the module docstring).
     """
     host = socket.gethostname()
     first: dict[int, dict | None] = {}
-    undecided: list[int] = []
 
     def alive_now(r: int) -> bool | None:
         rec = first[r] = read(run_dir, r)
@@ -143,22 +151,23 @@ def survey(run_dir: Path, rank: int, world: int, launch, observe_s: float) -> tu
         gone = _gone_locally(rec, host)
         return None if gone is None else not gone
 
-    def settle(ranks: list[int]) -> dict[int, bool]:
-        verdict = {r: alive_now(r) for r in ranks}
-        later = [r for r, v in verdict.items() if v is None]
-        if later:
-            time.sleep(observe_s)
-            for r in later:
-                rec = read(run_dir, r)
-                verdict[r] = rec is not None and rec.get("counter") != first[r].get("counter")
-        return verdict
-
-    for r in range(rank):                       # a lower rank alive speaks for the job
-        if settle([r])[r]:
-            return False, []
-    undecided = [r for r in range(world) if r != rank]
-    verdict = settle(undecided)
-    return True, [first.get(r) or {"rank": r} for r in undecided if not verdict[r]]
+    # The lower ranks first: rank 0 (the usual speaker), then down from this rank (with ranks
+    # placed host by host, those of its own host, judged at once), then the higher ones.
+    others = [r for r in [0, *range(rank - 1, 0, -1), *range(rank + 1, world)] if r != rank]
+    verdict: dict[int, bool | None] = {}
+    for r in others:
+        verdict[r] = alive_now(r)
+        if r < rank and verdict[r]:
+            return False, []                   # a lower rank alive speaks for the job
+    later = [r for r in others if verdict[r] is None]
+    if later:
+        time.sleep(observe_s)                  # one window for every rank on another host
+        for r in later:
+            rec = read(run_dir, r)
+            verdict[r] = rec is not None and rec.get("counter") != first[r].get("counter")
+            if r < rank and verdict[r]:
+                return False, []
+    return True, [first.get(r) or {"rank": r} for r in sorted(others) if not verdict[r]]
 
 
 def kill_local(stopped: list[dict], host: str) -> list[int]:

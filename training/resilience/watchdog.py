@@ -9,18 +9,24 @@ line naming the rank, and exit code ``EXIT_CODE``; the same command resumes from
 checkpoint, and the launch scripts' ``--max-restarts`` reruns it (``launch/common.sh``).
 
 - **Heartbeats** (``heartbeats.py``): every rank's file, its launch, host, pid, last completed
-  optimizer step, phase and a counter, rewritten every ``period_s`` (a tenth of the timeout,
-  0.5-10 s) by a writer thread of its own. A rank whose counter stops moving is not running
-  (killed, stopped, or its node lost); files, not a collective, so that they name a stopped rank
-  0 too and work while every collective is stuck.
+  optimizer step, phase and a counter, rewritten every period (``heartbeat_period``: a tenth of
+  the timeout within ``PERIOD_MIN_S``-``PERIOD_MAX_S``, 0.5-10 s; 10 s with the automatic
+  timeout) by a writer thread of its own, and while the rank reports a hang too. A rank whose
+  counter stops moving is not running (killed, stopped, or its node lost); files, not a
+  collective, so that they name a stopped rank 0 too and work while every collective is stuck.
 - **The watchdog** decides without touching the filesystem: its thread compares the time since
   the last progress (``beat``: the trainer calls it at every completed optimizer step, every
   evaluation batch, every checkpoint file written and every chunk hashed) with the allowed
   time, and also fires when one heartbeat write has been blocked longer than that (a hung
-  filesystem: an NFS hard mount, a Lustre recovery). Firing: the survey of the heartbeats (reads,
-  bounded by ``REPORT_S``), then the one line from the lowest live rank naming the ranks that
-  stopped (it kills those on its own host: a stopped process never finishes its step, and the
-  launcher would otherwise wait out its grace period), then every live rank's Python stacks
+  filesystem: an NFS hard mount, a Lustre recovery). Firing: this rank's heartbeat marked
+  ``hung`` at once (the others' surveys count it alive) and put every half period until the
+  exit (the thread that puts them is the one reporting), the survey of the heartbeats (one
+  observation of ``STALE_PERIODS`` periods for every rank on another host, and two reads of the
+  files), bounded by ``survey_bound_s``: ``STALE_PERIODS`` x period + ``SURVEY_READS_S`` =
+  2.5 x period + 10 s (35 s at the automatic 10 s period, 11.25 s at 0.5 s), then the one line
+  from the lowest live rank naming the ranks that stopped (it kills those on its own host: a
+  stopped process never finishes its step, and the launcher would otherwise wait out its grace
+  period; the line bounded by ``REPORT_S``), then every live rank's Python stacks
   (``faulthandler``, every thread) to ``<run dir>/hang/stacks_rank<r>.txt`` and its Flight
   Recorder buffer (the collectives it issued and their states, when
   ``TORCH_NCCL_TRACE_BUFFER_SIZE`` or ``TORCH_FR_BUFFER_SIZE`` is set, as the launch scripts do)
@@ -57,8 +63,8 @@ from pathlib import Path
 from training.files import record_exit_code
 from training.resilience.heartbeats import HEARTBEATS, HeartbeatWriter, kill_local, read, survey
 
-__all__ = ["EXIT_CODE", "HANG", "HEARTBEATS", "Watchdog", "hang_message", "is_peer_lost", "read",
-           "startup_allowance", "survey"]
+__all__ = ["EXIT_CODE", "HANG", "HEARTBEATS", "Watchdog", "hang_message", "heartbeat_period",
+           "is_peer_lost", "read", "startup_allowance", "survey", "survey_bound_s"]
 
 EXIT_CODE = 76          # a rank was lost or stopped making progress: rerun the command to resume
 AUTO_FACTOR = 10.0      # the automatic timeout: this many times the slowest recent step ...
@@ -66,7 +72,10 @@ AUTO_FLOOR_S = 300.0    # ... and at least this (an evaluation or a save between
 AUTO_WINDOW = 20        # step intervals the automatic timeout looks back over
 STARTUP_S = 7200.0      # before the first step: data preparation on rank 0, model build, compile
 STALE_PERIODS = 2.5     # a counter unchanged over this many heartbeat periods: not running
-REPORT_S = 20.0         # at most this for the survey, and again for the stacks, when firing
+PERIOD_MIN_S = 0.5      # the heartbeat period: a tenth of the timeout, at least this ...
+PERIOD_MAX_S = 10.0     # ... and at most this (the automatic timeout's)
+SURVEY_READS_S = 10.0   # the survey's bound past its observation window: two reads of every file
+REPORT_S = 20.0         # at most this for the line, and again for the stacks, when firing
 HANG = "hang"
 
 # The backends' messages for a peer that went away (gloo's, NCCL's, the TCP store's).
@@ -80,6 +89,19 @@ def startup_allowance(hang_timeout_s: float) -> float:
     return max(STARTUP_S, hang_timeout_s)
 
 
+def heartbeat_period(hang_timeout_s: float) -> float:
+    """The heartbeat period for ``train.hang_timeout_s`` (0: automatic)."""
+    if hang_timeout_s > 0:
+        return min(PERIOD_MAX_S, max(PERIOD_MIN_S, hang_timeout_s / 10))
+    return PERIOD_MAX_S
+
+
+def survey_bound_s(period_s: float) -> float:
+    """The most a survey takes on a filesystem that answers: one observation of every rank on
+    another host (``STALE_PERIODS`` periods) and two reads of the files (``SURVEY_READS_S``)."""
+    return STALE_PERIODS * period_s + SURVEY_READS_S
+
+
 def is_peer_lost(err: BaseException) -> bool:
     """Whether ``err`` is a collective failing because another rank went away."""
     import torch.distributed as dist
@@ -87,9 +109,10 @@ def is_peer_lost(err: BaseException) -> bool:
     return isinstance(err, getattr(dist, "DistNetworkError", ())) or any(p in text for p in _PEER_LOST)
 
 
-def _bounded(fn, timeout_s: float):
+def _bounded(fn, timeout_s: float, tick=None, every_s: float = 1.0):
     """``fn()`` in a thread of its own, waited for at most ``timeout_s``: its result, or None when
-    it did not return in time (a filesystem that blocks) or raised ``OSError``."""
+    it did not return in time (a filesystem that blocks) or raised ``OSError``; while it runs,
+    ``tick()`` every ``every_s`` (the rank's heartbeat)."""
     box = []
 
     def run():
@@ -99,7 +122,11 @@ def _bounded(fn, timeout_s: float):
             pass
     thread = threading.Thread(target=run, name="watchdog-report", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        thread.join(min(left, every_s))
+        if tick is not None and thread.is_alive():
+            tick()
     return box[0] if box else None
 
 
@@ -118,18 +145,18 @@ class Watchdog:
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.fixed = hang_timeout_s if hang_timeout_s > 0 else None
         self.where = where
-        self.period_s = min(10.0, max(0.5, self.fixed / 10)) if self.fixed else 10.0
+        self.period_s = heartbeat_period(hang_timeout_s)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.launch = None                  # set by ``attach``: heartbeats on
         self.step, self.counter, self.state = None, 0, "running"
-        self.report_s = REPORT_S
+        self.survey_s, self.report_s = survey_bound_s(self.period_s), REPORT_S
         self._last = time.monotonic()
         self._step_times: list[float] = []
         self._step_at: float | None = None
         self._finishing = False
         self._writer: HeartbeatWriter | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock, self._put_lock = threading.Lock(), threading.Lock()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._thread.start()
 
@@ -200,10 +227,18 @@ class Watchdog:
     def _put(self, now: bool = False) -> None:
         if self._writer is None:
             return
-        self.counter += 1
-        self._writer.put(now=now, record={"rank": self.rank, "launch": self.launch, "host": self.host,
-                          "pid": self.pid, "step": self.step, "phase": getattr(self.where, "phase", None),
-                          "state": self.state, "counter": self.counter})
+        with self._put_lock:                    # two threads put while this rank reports
+            self.counter += 1
+            record = {"rank": self.rank, "launch": self.launch, "host": self.host, "pid": self.pid,
+                      "step": self.step, "phase": getattr(self.where, "phase", None),
+                      "state": self.state, "counter": self.counter}
+        self._writer.put(record, now=now)
+
+    def _reporting(self, fn, timeout_s: float):
+        """``_bounded(fn, timeout_s)`` with this rank's heartbeat put every half period while it
+        waits: the thread that puts them is the one reporting, and a rank whose counter stopped
+        would be named by the others' surveys."""
+        return _bounded(fn, timeout_s, tick=self._put, every_s=self.period_s / 2)
 
     def _fire(self, blocked_s: float, stalled: bool) -> None:
         """No progress within the allowed time (``stalled``), or a heartbeat write blocked
@@ -211,8 +246,9 @@ class Watchdog:
         for the filesystem bounded (see the module docstring)."""
         waited = time.monotonic() - self._last
         self.state = "hung"
+        self._put(now=True)                     # alive to the others' surveys from now on
         phase, folder = getattr(self.where, "phase", None), self.run_dir / HANG
-        found = _bounded(self._survey, self.report_s)
+        found = self._reporting(self._survey, self.survey_s)
         printer, stopped = found if found is not None else (self.rank == 0, [])
         killed = kill_local(stopped, self.host) if printer else []
         line = hang_message(self.step, waited, self.fixed, stopped, killed, folder, phase)
@@ -223,8 +259,8 @@ class Watchdog:
             line += (f"; the run directory's filesystem blocks (a heartbeat write has not returned "
                      f"for {blocked_s:.0f} s, or its files could not be read)")
         if printer:
-            _bounded(lambda: print(f"error: {line}", file=sys.stderr, flush=True), self.report_s)
-        _bounded(lambda: self._write_report(folder, waited, phase), self.report_s)
+            self._reporting(lambda: print(f"error: {line}", file=sys.stderr, flush=True), self.report_s)
+        self._reporting(lambda: self._write_report(folder, waited, phase), self.report_s)
         os._exit(EXIT_CODE)
 
     def _write_report(self, folder: Path, waited: float, phase) -> None:
@@ -240,8 +276,15 @@ class Watchdog:
         _dump_flight_recorder(folder / f"fr_trace_rank_{self.rank}")
         sys.stderr.flush()
         record_exit_code(EXIT_CODE)
-        if self._writer is not None and not self._writer.blocked_s():
-            self._writer.flush(self.period_s)       # the heartbeat that says "hung", unless blocked
+        self._flush_heartbeat()
+
+    def _flush_heartbeat(self) -> None:
+        """Wait up to a period for this rank's last heartbeat (``hung``, ``peer lost``) to be
+        written, unless a write has been blocked that long already: a rank that exits with its
+        state unwritten, or cut in the middle of writing it, reads as stopped in the others'
+        surveys."""
+        if self._writer is not None and self._writer.blocked_s() < self.period_s:
+            self._writer.flush(self.period_s)
 
     def peer_lost(self, err: BaseException) -> int:
         """A collective failed because a peer went away: from the lowest surviving rank, one
@@ -249,7 +292,7 @@ class Watchdog:
         self._stop.set()
         self.state = "peer lost"
         self._put(now=True)
-        found = _bounded(self._survey, self.report_s)
+        found = self._reporting(self._survey, self.survey_s)
         printer, lost = found if found is not None else (self.rank == 0, [])
         if printer:
             step = getattr(self.where, "step", None)
@@ -259,6 +302,7 @@ class Watchdog:
             print(f"error: {who} lost {during}: its process ended (killed, a GPU "
                   f"error, a node lost); rerun the same command to resume from the newest "
                   f"checkpoint (exit code {EXIT_CODE})", file=sys.stderr, flush=True)
+        self._flush_heartbeat()
         return EXIT_CODE
 
     def _survey(self) -> tuple[bool, list[dict]]:
