@@ -254,6 +254,8 @@ _attempt() {
         rc=0; wait "$_CHILD" || rc=$?
         kill -0 "$_CHILD" 2>/dev/null || break      # still running: a trap cut the wait short
     done
+    # A child that ended while a trap ran leaves rc at the trap's 128+N: bash keeps its status.
+    if (( rc > 128 )); then local again=0; wait "$_CHILD" || again=$?; (( again == 127 )) || rc=$again; fi
     trap - "${_SIGNALS[@]}"
     (( _PREEMPTED )) && _preempted "$rc"
     return "$rc"
@@ -271,9 +273,17 @@ _preempt() {
 }
 
 # _preempted RC: the end of a preempted attempt: requeue (SLURM) or stop, naming what was saved.
+# A launcher that exited 0 with no rank's code recorded ran the run to its end: its last step's
+# signal agreement came before the signal reached the ranks, and their final save verified;
+# there is nothing to resume, so the job is not requeued.
 _preempted() {
     local saved
     saved=$(_saved_line "$TRAIN_EXIT_CODE_FILE")
+    if (( $1 == 0 )) && [[ ! -s $TRAIN_EXIT_CODE_FILE ]]; then
+        rm -f "$TRAIN_EXIT_CODE_FILE"
+        echo "$(basename "$0"): the run finished before the signal reached its ranks (exit code 0): nothing to resume, not requeued" >&2
+        exit 0
+    fi
     rm -f "$TRAIN_EXIT_CODE_FILE"
     if [[ ${_WHERE[0]} == slurm ]]; then
         scontrol requeue "$SLURM_JOB_ID" ||

@@ -50,7 +50,10 @@ class Preemption:
         self.received = self.received or signal.Signals(signum).name
 
     def close(self) -> None:
-        """Put back the handlers that were there before."""
+        """Put back the handlers that were there before; SIGUSR1's default (the process killed)
+        becomes ignored: a launch script's warning that reaches a rank after its run ended, as
+        it exits, would otherwise turn a finished run's exit code 0 into -10."""
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            late = signum == signal.SIGUSR1 and previous in (signal.SIG_DFL, None)
+            signal.signal(signum, signal.SIG_IGN if late else previous)
         self._previous = {}
