@@ -30,10 +30,13 @@ def test_slow_rank0_startup_outlasts_the_process_group_timeout(warm_launcher, tm
     warm_launcher.script("tests/training/run/_slow_rank0_run.py",
                          ["--config", "ds_configs/zero1_fp32.json", "--run-dir", str(run_dir), "--steps", "2",
                           "--set", *SMALL, "parallel.timeout_minutes=0.1"],
-                         tmp_path / "run.log", extra_env={"SLOW_RANK0_S": "12"})
+                         tmp_path / "run.log", extra_env={"SLOW_RANK0_S": "12",
+                                                          "LAUNCH_ID_OUT": str(tmp_path / "launch_id")})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
-    assert not list((REPO / ".cache" / "startup").glob("*")), "start-up markers left behind"
+    # This launch's markers only: another test's run may be in its start-up beside this one.
+    launch_id = (tmp_path / "launch_id").read_text()
+    assert not list((REPO / ".cache" / "startup").glob(f"{launch_id}-*")), "start-up markers left behind"
     assert os.environ.get("RANK") is None
 
 
