@@ -1,8 +1,9 @@
 """Conversion of a run's newest checkpoint into DeepSpeed's universal format.
 
 ``check`` refuses what cannot be converted (pipeline checkpoints, ZeRO-0, tp/ep checkpoints
-without ``universal_checkpoint_info``); ``convert`` wraps ``python -m
-deepspeed.checkpoint.ds_to_universal`` and moves the result into place. Used by
+without ``universal_checkpoint_info``, a ZeRO-3 Muon run); ``convert`` wraps ``python -m
+deepspeed.checkpoint.ds_to_universal`` (for a Muon run on a view of the checkpoint that carries
+the momentum, ``interop/muon_universal.py``) and moves the result into place. Used by
 ``launch/to_universal.py``; docs/checkpoints.md says which layout changes work.
 """
 
@@ -14,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from interop import muon_universal
 from training.checkpoint import layout, resume
+from training.optim.muon import is_muon_type
 from training.files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]   # on PYTHONPATH of the conversion: it unpickles our classes
@@ -29,6 +32,11 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
         raise ValueError(f"--run-dir {run_dir}: the universal format keeps parameters only, and "
                          f"the routers' e_score_correction_bias (a buffer) would restart at zero: "
                          f"resume this run at its layout")
+    ds = layout.read_run_config(run_dir).get("ds_config") or {}
+    if is_muon_type(ds) and int((ds.get("zero_optimization") or {}).get("stage", 0)) == 3:
+        raise ValueError(f"--run-dir {run_dir}: a ZeRO-3 Muon run's momentum does not convert (ZeRO-3 keeps its "
+                         f"optimizer state in another structure): resume it at its layout, or train it at "
+                         f"ZeRO-1/2 to change layouts")
     tag = layout.latest_tag(ckpt_dir)
     if tag is None:
         raise ValueError(f"--run-dir {run_dir}: no complete checkpoint under {ckpt_dir} "
@@ -52,15 +60,22 @@ def check(run_dir: Path) -> tuple[Path, str, bool]:
     return folder, tag, inject    # data-parallel only: the empty info DeepSpeed injects is right
 
 
-def convert(folder: Path, tag: str, workers: int, inject: bool = False) -> Path:
+def is_muon_run(run_dir: Path) -> bool:
+    """Whether the run's resolved DeepSpeed JSON (``config.json``) trains with Muon."""
+    return is_muon_type(layout.read_run_config(run_dir).get("ds_config") or {})
+
+
+def convert(folder: Path, tag: str, workers: int, inject: bool = False, muon: bool = False) -> Path:
     """Run ds_to_universal into a scratch folder, then move it into place (a failed conversion
-    leaves the previous one intact)."""
+    leaves the previous one intact). ``muon``: a Muon run, whose momentum goes through
+    ``interop/muon_universal.py``."""
     out_root = folder.parent / layout.UNIVERSAL
     scratch = out_root / f".{tag}.tmp"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
+    source, names = muon_universal.muon_input(folder, scratch / "input") if muon else (folder, [])
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-           str(folder), "--output_folder", str(scratch / tag), "--num_extract_workers",
+           str(source), "--output_folder", str(scratch / tag), "--num_extract_workers",
            str(max(1, workers)), "--num_merge_workers", str(max(1, min(2, workers)))]
     if inject:
         cmd.append("--inject_missing_state")
@@ -72,6 +87,8 @@ def convert(folder: Path, tag: str, workers: int, inject: bool = False) -> Path:
         lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
         raise ValueError(f"ds_to_universal failed on {folder}: "
                          f"{lines[-1] if lines else f'exit code {proc.returncode}'}")
+    if muon:
+        muon_universal.muon_output(scratch / tag, names)
     target = out_root / tag
     shutil.rmtree(target, ignore_errors=True)
     os.replace(scratch / tag, target)

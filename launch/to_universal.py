@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from interop.universal import check, convert  # noqa: E402
+from interop.universal import check, convert, is_muon_run  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         folder, tag, inject = check(Path(args.run_dir))
-        target = convert(folder, tag, args.workers, inject)
+        target = convert(folder, tag, args.workers, inject, muon=is_muon_run(Path(args.run_dir)))
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

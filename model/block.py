@@ -55,6 +55,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps, g, per_head=True) if cfg.qk_norm else None
         self.groups = g
         self.scale = mup.attention_scale(cfg)          # None: SDPA's 1/sqrt(hd)
+        self.qk_logits = None     # model.qk_clip.HeadLogits under QK-clip (train.qk_clip_tau)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 mask=None) -> torch.Tensor:
@@ -73,6 +74,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:                    # per head, over hd
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.qk_logits is not None and self.training:
+            self.qk_logits.record(q, k, self.scale or self.head_dim ** -0.5)
         gqa = k.shape[1] != self.num_heads
         if self.groups.cp > 1:                         # S/cp tokens here: exchange over cp
             y = context_attention(q, k, v, self.groups.cp_group, self.groups.cp_comm, self.scale, mask)

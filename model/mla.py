@@ -84,6 +84,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(nh * self.v_dim, h, g)
         self.groups = g
         self.scale = qk ** -0.5 * yarn_softmax_factor(cfg)
+        self.qk_logits = None     # model.qk_clip.HeadLogits under QK-clip (train.qk_clip_tau)
 
     def _latents(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[c_q (if q_lora_rank)], c_kv, k_rot over the whole sequence, in the tp region."""
@@ -113,6 +114,8 @@ class MLAttention(nn.Module):
         k_rot = apply_rope(k_rot.view(B, 1, S, self.rope), *rope)            # (B, 1, S, rope)
         q = torch.cat((q_nope, apply_rope(q_rot, *rope)), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        if self.qk_logits is not None and self.training:
+            self.qk_logits.record(q, k, self.scale)
         pad = self.nope + self.rope - self.v_dim
         if pad > 0:      # fused kernels want one head width: zero value dims, sliced off below
             v = F.pad(v, (0, pad))                                           # (B, nh, S, qk)

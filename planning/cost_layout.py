@@ -127,6 +127,8 @@ class Layout:
     dispatch_bytes: int = ACT_BYTES  # the all-to-all payload per element (fp8: 1)
     a2a_node_dedup: bool = False    # DeepEP: a token crosses to a remote node once, then NVLink
     moe_imbalance: float = 1.0      # the busiest EP rank's routed rows over the mean
+    muon_ns_flops: float = 0.0      # Muon: Newton-Schulz FLOPs per step on the busiest rank (planning/muon_cost.py)
+    muon_comm_bytes: float = 0.0    # Muon: its gradient reduce, update broadcast and tp gather, bytes per rank
     stage_layers: tuple[int, ...] | None = None   # layers per pipeline rank, if not even
 
     @property

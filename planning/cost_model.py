@@ -263,4 +263,9 @@ def _dp_and_optimizer(shape: Shape, layout: Layout, cluster: Cluster, layers: ra
     exposed = total - hidden + COMM_SM_SHARE * hidden
     optimizer = sum(params[k] / (groups[k][0] if layout.zero_stage >= 1 else 1)
                     for k in groups) * ADAM_BYTES / cluster.device.hbm_bytes_s
+    if layout.muon_ns_flops or layout.muon_comm_bytes:   # after backward, not overlapped
+        device = cluster.device
+        optimizer += layout.muon_ns_flops / (device.peak_flops * device.gemm_fraction * SUSTAINED_CLOCK)
+        volumes["muon"] = layout.muon_comm_bytes
+        exposed += layout.muon_comm_bytes / cluster.busbw(*groups["dense"])
     return exposed, optimizer, volumes

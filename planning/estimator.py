@@ -30,12 +30,14 @@ from model.parallel.dims import ParallelDims
 from planning import memory_model as mm
 from planning.buffers import buffer_bytes, optimizer_temporaries
 from planning.build_memory import build_bytes
+from planning.muon_cost import apply_to_states, muon_elements, muon_step_terms, transient_bytes
 from training.config.ds_checks import validate_ds_config
 from training.config.ds_config import (apply_grad_compression, check_layout, load_ds_config,
                                        replica_sync_mode)
 from planning.cost_model import Layout, Shape, step_cost
 from planning.hardware import Cluster, cluster
 from training.gpus import GPUS
+from training.optim.muon import is_muon_type
 from training.config.schema import ParallelConfig, Recipe
 
 RESERVE_FRACTION = 0.10   # of GPU memory kept back: CUDA context/NCCL (~1-2 GB) + fragmentation
@@ -77,7 +79,9 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
                        cp=dims.cp, cp_comm=dims.cp_comm)
     stage, precision = int((ds.get("zero_optimization") or {}).get("stage", 0)), mm.precision_of(ds)
     compression = powersgd_elements(recipe, layout)
-    stages = [_stage(recipe, layout, ds, s, micro, on_gpu, compression) for s in sorted({0, layout.pp - 1})]
+    muon = muon_elements(recipe, layout) if is_muon_type(ds) else None
+    stages = [_stage(recipe, layout, ds, s, micro, on_gpu, compression, muon and muon[s])
+              for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda st: st["gpu_total"])
     usable = spec.memory_gb * GB * (1 - RESERVE_FRACTION)
     host_memory = (host_memory_gb or HOST_GB_PER_GPU * gpus_per_node) * GB
@@ -91,6 +95,7 @@ def estimate(recipe: Recipe, ds: dict, gpus: int, gpus_per_node: int = 8,
             "seq_len": recipe.seq_len, "activation_checkpointing": recipe.train.activation_checkpointing,
             "params_total": cfg.num_params(), "params_active": cfg.num_params(active=True),
             "stages": stages, "worst": worst, "build": build, "powersgd": compression,
+            "muon": worst.get("muon"),
             "fits": worst["gpu_total"] <= usable and build["fits"],
             "cpu_per_node": worst["cpu"] * min(gpus, gpus_per_node)}
 
@@ -157,12 +162,16 @@ def _compression_state(recipe: Recipe, elements: dict | None) -> float:
 
 
 def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
-           on_gpu: bool = True, compression: dict | None = None) -> dict:
+           on_gpu: bool = True, compression: dict | None = None, muon: dict | None = None) -> dict:
     cfg, zero = recipe.model, ds.get("zero_optimization") or {}
     a = mm.DTYPE_BYTES[mm.precision_of(ds)]
     params = mm.local_params(cfg, layout, stage)
     states = mm.deepspeed_model_state_bytes(params["total"], layout.dp, ds)
     states["compression"] = _compression_state(recipe, compression)
+    if muon is not None:       # one whole momentum instead of two partitioned moments (planning/muon_cost.py)
+        zero_stage = int(zero.get("stage", 0))
+        master = mm.deepspeed_state_rules(zero_stage, mm.precision_of(ds), 1, zero)["master_copy"]
+        states = apply_to_states(states, muon, params["total"], layout.dp, zero_stage, master)
     acts = mm.activation_bytes(cfg, layout, micro, recipe.seq_len, a,
                                recipe.train.activation_checkpointing, stage)
     a2a = 0.0
@@ -171,9 +180,11 @@ def _stage(recipe: Recipe, layout: mm.Layout, ds: dict, stage: int, micro: int,
     buffers = buffer_bytes(zero, int(zero.get("stage", 0)), a, params["total"],
                               params["largest_module"], layout.dp, a2a,
                               optimizer_temporaries(ds, on_gpu))
+    if muon is not None:
+        buffers["optimizer_step"] = max(buffers["optimizer_step"], transient_bytes(muon))
     during_backward = acts["total"] + buffers["reduce_bucket"] + buffers["zero3_gather"] + a2a
     model_states = states["params"] + states["grads"] + states["optimizer"] + states["compression"]
-    return {"stage": stage, "params": params, "states": states, "activations": acts,
+    return {"stage": stage, "params": params, "states": states, "activations": acts, "muon": muon,
             "buffers": buffers, "model_states": model_states, "cpu": states["cpu"],
             "build": build_bytes(cfg, layout, ds, stage),
             "gpu_total": model_states + max(during_backward, buffers["optimizer_step"])}
@@ -211,7 +222,7 @@ def trainer_layout(recipe: Recipe, est: dict, ds: dict, moe_imbalance: float = 1
                   if powersgd else 1.0,
                   grad_reduce_bytes=comm or mm.DTYPE_BYTES[est["precision"]],
                   dispatch_bytes={"fp8": 1, "bf16": 2}.get(dispatch, mm.DTYPE_BYTES[est["precision"]]),
-                  moe_imbalance=moe_imbalance)
+                  moe_imbalance=moe_imbalance, **muon_step_terms(est))
 
 
 def step_time(recipe: Recipe, est: dict, ds: dict, where: Cluster,

@@ -27,7 +27,7 @@ import torch
 
 from model import MixtralConfig
 from model.parallel.groups import ParallelGroups, local_experts
-from tests.runs import WEIGHT_ATOL, ds_variant, kill_after_step, launch, rows
+from tests.runs import REPO, WEIGHT_ATOL, ds_variant, kill_after_step, launch, rows
 
 # Router jitter stays on (tests/runs.SMALL: 0.01, the Switch default): each sample's noise is
 # seeded from its global index and the per-step seed leaves out tp and ep, so every tp x ep layout
@@ -57,6 +57,31 @@ MLA_LAYOUTS = {"tp2-1": (1, LAYOUTS["tp2"][1] + MTP), "tp2-sp-3": (3, LAYOUTS["t
 # Micro-batch 2 x accumulation 4 (test_pp2_1f1b_over_four_micro_batches_matches_its_control).
 # The tied case also runs one MTP depth: the embedding then serves three layers on two stages.
 FOUR_MICRO = [("zero1_fp32", []), ("zero0_fp32", ["model.tie_embeddings=true", "model.mtp_depth=1"])]
+# Muon (training/optim/muon.py) from the JSON {"type": "Muon", "params": {lr, weight_decay}}: each
+# layout against the single-process run of the same JSON; ZeRO-1/2/3 on the dense model over two
+# data-parallel ranks (micro-batch 4, the control's 8 sequences per step: the MoE router losses are
+# per micro-batch, so an MoE model over dp2 would change the objective, not only the layout).
+# name: (processes, ZeRO stage, extra keys, control); dense-zero2 also saves every 3 steps (resume test).
+MUON = {"type": "Muon", "params": {"lr": 0.0006, "weight_decay": 0.1}}
+# Every Muon run is MuonClip: tau below every head's largest logit of the tiny model (0.11-0.14 at
+# init), so heads are clipped at every step and every layout; one more run logs its logits with a
+# tau no logit reaches (nothing clipped).
+QK_CLIP, QK_LOG_ONLY = ["train.qk_clip_tau=0.1"], ["train.qk_clip_tau=1000000"]
+DENSE = ["model.family=dense", "model.moe=null"]
+MUON_LAYOUTS = {"tp2": (2, 1, LAYOUTS["tp2"][1], "muon-control"),
+                "tp2-sp": (2, 3, LAYOUTS["tp2-sp"][1], "muon-control"),
+                "ep2": (2, 2, LAYOUTS["ep2"][1], "muon-control"),
+                "pp2": (2, 1, PP2, "muon-control"),
+                "tp2xep2": (4, 0, LAYOUTS["tp2xep2"][1], "muon-control"),
+                **{f"dense-zero{s}": (2, s, DENSE + ["train.save_every=3"] * (s == 2), "muon-dense-control")
+                   for s in (1, 2, 3)}}
+
+
+def _muon_config(tmp, stage: int, micro: int = 8) -> str:
+    path = tmp / f"muon-zero{stage}-micro{micro}.json"
+    cfg = json.loads((REPO / "ds_configs" / f"zero{stage}_fp32.json").read_text())
+    path.write_text(json.dumps({**cfg, "optimizer": MUON, "train_micro_batch_size_per_gpu": micro}))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +95,10 @@ def runs(warm_launcher, tmp_path_factory):
     batches = {1: [("control", "ds_configs/zero2_fp32.json", []),
                    ("control-nj", "ds_configs/zero2_fp32.json", RECIPE_JITTER)]
                + [(f"4micro-control-{c}", four[c], RECIPE_JITTER + x) for c, x in FOUR_MICRO]
-               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA + MTP)],
+               + [("mla-control", "ds_configs/zero1_fp32.json", RECIPE_JITTER + MLA + MTP)]
+               + [("muon-control", _muon_config(tmp, 1), RECIPE_JITTER + QK_CLIP),
+                  ("muon-no-clip", _muon_config(tmp, 1), RECIPE_JITTER + QK_LOG_ONLY),
+                  ("muon-dense-control", _muon_config(tmp, 0), DENSE + QK_CLIP)],
                2: [(f"{layout}-{stage}", f"ds_configs/zero{stage}_fp32.json", extra)
                    for layout, (nproc, extra) in LAYOUTS.items() if nproc == 2 for stage in range(4)]
                + [(f"pp2-{stage}", f"ds_configs/zero{stage}_fp32.json", RECIPE_JITTER + PP2) for stage in (0, 1)]
@@ -84,6 +112,9 @@ def runs(warm_launcher, tmp_path_factory):
                    for stage in range(4)]
                + [(f"tp2xep2-sp-{stage}", f"ds_configs/zero{stage}_fp32.json",
                    LAYOUTS["tp2xep2"][1] + ["parallel.sequence_parallel=true"]) for stage in (1, 3)]}
+    for name, (nproc, stage, extra, _) in MUON_LAYOUTS.items():
+        micro = 4 if name.startswith("dense") else 8
+        batches[nproc].append((f"muon-{name}", _muon_config(tmp, stage, micro), RECIPE_JITTER + QK_CLIP + extra))
     warm = warm_launcher
     for nproc, batch in batches.items():
         warm.launch_many([(tmp / name, config, extra) for name, config, extra in batch], nproc=nproc,
@@ -257,3 +288,101 @@ def test_ep2_kill_and_resume_reproduces_the_uninterrupted_run(warm_launcher, run
     warm.launch(run_dir, "ds_configs/zero2_fp32.json", extra=extra)
     for a, b in zip(rows(full), rows(run_dir), strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+
+
+@pytest.mark.parametrize("name", list(MUON_LAYOUTS))
+def test_muon_layout_matches_its_single_process_control(name, runs):
+    """Muon with QK-clip at each layout as one process with the same JSON: loss, grad norm (the
+    raw gradient's) and each layer's largest logit every step, relative 1e-5 (measured: 1.2e-7,
+    1e-8 and 3.5e-7 at worst; each rank clips its own heads, ZeRO-3 its partitions), and every
+    parameter after the last step. Muon's matrices: rtol 1e-5, atol 1e-6 (measured < 1e-6); an
+    update per element is ~lr 0.2 sqrt(max(A, B)) / sqrt(min(A, B)) ~ 1e-4, and Newton-Schulz of a
+    tp shard instead of the whole matrix changes it by tens of percent (test_muon.py), 30x this
+    bound within one step. The AdamW parameters: the bound of every AdamW layout test
+    (``WEIGHT_ATOL``: a rare token's embedding row)."""
+    from interop.consolidate import load_run_model
+    from training.optim.muon import is_muon
+    control = runs[MUON_LAYOUTS[name][3]]
+    ref, got = rows(control), rows(runs[f"muon-{name}"])
+    assert len(got) == len(ref) == 10
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (name, a["step"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5), (name, a["step"])
+        assert b["max_logit"] == pytest.approx(a["max_logit"], rel=1e-5), (name, a["step"])
+        assert b["lr"] == a["lr"]
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    ours, ctrl = load_run_model(runs[f"muon-{name}"])[0], load_run_model(control)[0]
+    ctrl_params = dict(ctrl.named_parameters())
+    for pname, p in ours.named_parameters():
+        tol = dict(rtol=1e-5, atol=1e-6) if is_muon(pname, p) else dict(rtol=1e-4, atol=WEIGHT_ATOL)
+        torch.testing.assert_close(p, ctrl_params[pname], **tol, msg=f"{name} {pname}")
+
+
+def test_muon_lists_its_groups_at_start_up_and_in_config_json(runs):
+    """Which parameters go to Muon and which to AdamW: one line per group in the log, and the
+    same groups in config.json."""
+    run_dir = runs["muon-control"]
+    log = (run_dir.parent / f"{run_dir.name}.log").read_text()
+    groups = json.loads((run_dir / "config.json").read_text())["optimizer"]["groups"]
+    assert set(groups) == {"decay-muon", "decay-adam", "no_decay-adam"}
+    assert groups["decay-muon"]["optimizer"] == "Muon"
+    assert {"mlp.experts.gate_proj", "self_attn.q_proj.weight"} <= set(groups["decay-muon"]["kinds"])
+    assert set(groups["decay-adam"]["kinds"]) == {"lm_head.weight", "mlp.gate.weight"}   # head, router
+    assert "embed_tokens.weight" in groups["no_decay-adam"]["kinds"]
+    for group in groups:
+        assert len(re.findall(rf"^optimizer group {group}: ", log, re.M)) == 1, group
+
+
+def test_muon_kill_and_resume_reproduces_the_uninterrupted_run(warm_launcher, runs, tmp_path):
+    """Killed after step 7 and resumed from step 6 at ZeRO-2 over two data-parallel ranks: each
+    rank's momentum of the matrices it owns and the AdamW moments come back, so steps 7-10 are
+    the uninterrupted run's."""
+    _, stage, extra, _ = MUON_LAYOUTS["dense-zero2"]
+    config = _muon_config(tmp_path, stage, micro=4)
+    run_dir = tmp_path / "killed"
+    kill_after_step(launch(run_dir, config, extra=RECIPE_JITTER + QK_CLIP + extra, wait=False), run_dir, 7)
+    assert (run_dir / "checkpoints" / "step00000006" / "trainer_state_rank00001.pt").is_file()
+    warm_launcher.launch(run_dir, config, extra=RECIPE_JITTER + QK_CLIP + extra)
+    for a, b in zip(rows(runs["muon-dense-zero2"]), rows(run_dir), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), a["step"]
+
+
+def test_muonclip_holds_the_logits_near_tau(runs):
+    """MuonClip at tau 0.1 against the same run without a clip (which passes tau at every step):
+    from step 2 on, every layer's largest logit (measured in the forward, before that step's
+    clip) is below the unclipped run's and held near tau, within the step-to-step spread of the
+    largest of 512 tokens' logits (up to 1.25 tau allowed; that the clip brings each clipped
+    head to exactly tau on the batch it measured is tests/model/test_qk_clip.py). Every layout
+    clips as one process: test_muon_layout_matches_its_single_process_control."""
+    clip, free = rows(runs["muon-control"]), rows(runs["muon-no-clip"])
+    assert all(v > 0.1 for r in free for v in r["max_logit"])
+    assert clip[0]["max_logit"] == free[0]["max_logit"]          # measured before the first clip
+    for a, b in zip(free[1:], clip[1:]):
+        assert all(c < f and c <= 0.125 for f, c in zip(a["max_logit"], b["max_logit"])), a["step"]
+    assert clip[-1]["loss"] != free[-1]["loss"]
+
+
+def test_muon_momentum_is_divided_over_the_data_parallel_ranks(runs):
+    """At ZeRO-2 over two data-parallel ranks each Muon matrix's momentum lives on one rank (its
+    owner): the ranks' checkpointed momenta hold every Muon matrix once, their elements are what
+    the memory estimator counts (``planning/muon_cost.py``), and the two ranks hold about half
+    each (balanced by elements: within the largest matrix)."""
+    from interop.consolidate import load_run_model
+    from planning import memory_model as mm
+    from planning.muon_cost import muon_elements
+    from tests.runs import SMALL
+    from training.config.recipe import REPO_ROOT, load_recipe
+    from training.optim.muon import is_muon
+    folder = runs["muon-dense-zero2"] / "checkpoints" / "step00000010"
+    held = [torch.load(folder / f"trainer_state_rank{r:05d}.pt", weights_only=True)["muon"]["momentum"]
+            for r in range(2)]
+    assert not set(held[0]) & set(held[1])
+    model = load_run_model(runs["muon-dense-zero2"])[0]
+    want = {n: p.numel() for n, p in model.named_parameters() if is_muon(n, p)}
+    assert {n: v.numel() for h in held for n, v in h.items()} == want
+    recipe = load_recipe(REPO_ROOT / "recipes" / "tiny_mixtral.yaml", SMALL + RECIPE_JITTER + DENSE)
+    est = muon_elements(recipe, mm.Layout(2, 1, 1, 1, False, 8))
+    assert est[0]["params"] == sum(want.values())
+    per_rank = [sum(v.numel() for v in h.values()) for h in held]
+    assert abs(per_rank[0] - per_rank[1]) <= max(want.values())

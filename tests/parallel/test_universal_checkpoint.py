@@ -56,6 +56,11 @@ def _assert_continues(ref: list[dict], got: list[dict]) -> None:
 
 
 LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2"], "ep2": ["parallel.expert_parallel_size=2"]}
+# Muon (training/optim/muon.py): its momentum goes through the conversion beside DeepSpeed's state
+# (interop/muon_universal.py). The dense model over dp2 at ZeRO-2 to one rank, and tiny Mixtral
+# from TP2 to EP2 at ZeRO-1.
+MUON = {"type": "Muon", "params": {"lr": 0.0006, "weight_decay": 0.1}}
+DENSE = ["model.family=dense", "model.moe=null"]
 MODEL_PARALLEL_CHANGES = [("zero1_fp32", "ep2", "tp2"), ("zero3_fp32", "tp2", "ep2")]
 # eval.batches counts micro-batches per rank: 4 x 8 on one rank = 2 x 8 on each of two.
 ONE_RANK = NO_JITTER + SAVE5 + ["eval.batches=4"]
@@ -80,15 +85,27 @@ def runs(warm_launcher, tmp_path_factory):
         resumes.append((tmp / f"{base}-{source}-to-{target}",
                         _config(tmp, f"{base}_universal", base=base, checkpoint={"load_universal": True}),
                         LAYOUTS[target] + SAVE5))
+    muon2 = _config(tmp, "muon-zero2", optimizer=MUON)
+    muon1 = _config(tmp, "muon-zero1", base="zero1_fp32", optimizer=MUON)
+    stopped += [(tmp / "muon-dp2-control", muon2, NO_JITTER + DENSE),
+                (tmp / "muon-dp2-stopped", muon2, NO_JITTER + DENSE + SAVE5, 5),
+                (tmp / "muon-tp2-control", muon1, LAYOUTS["tp2"]),
+                (tmp / "muon-tp2-to-ep2", muon1, LAYOUTS["tp2"] + SAVE5, 5)]
+    resumes.append((tmp / "muon-tp2-to-ep2", _config(tmp, "muon-zero1-universal", base="zero1_fp32", optimizer=MUON,
+                                                      checkpoint={"load_universal": True}), LAYOUTS["ep2"] + SAVE5))
     warm = warm_launcher
     warm.launch_many(stopped)
     shutil.copytree(tmp / "dp2-stopped", tmp / "dp2-to-one-rank")
-    for run_dir in [tmp / "dp2-to-one-rank"] + [r[0] for r in resumes]:
+    shutil.copytree(tmp / "muon-dp2-stopped", tmp / "muon-dp2-to-one-rank")
+    for run_dir in [tmp / "dp2-to-one-rank", tmp / "muon-dp2-to-one-rank"] + [r[0] for r in resumes]:
         out = _to_universal(run_dir)
         assert out.returncode == 0, out.stderr[-2000:]
     warm.launch_many(resumes)
     one_rank = _config(tmp, "acc2", gradient_accumulation_steps=2, checkpoint={"load_universal": True})
-    warm.launch_many([(tmp / "dp2-to-one-rank", one_rank, ONE_RANK)] * 2, nproc=1)
+    muon_one = _config(tmp, "muon-acc2", gradient_accumulation_steps=2, optimizer=MUON,
+                       checkpoint={"load_universal": True})
+    warm.launch_many([(tmp / "dp2-to-one-rank", one_rank, ONE_RANK)] * 2
+                     + [(tmp / "muon-dp2-to-one-rank", muon_one, ONE_RANK + DENSE)], nproc=1)
     return tmp, config
 
 
@@ -184,3 +201,18 @@ def test_to_universal_errors_are_one_line(tmp_path):
     (run_dir / "checkpoints" / "step00000005" / "layer_01-model_00-model_states.pt").write_bytes(b"")
     rc, err = run("--run-dir", str(run_dir))
     assert rc == 2 and len(err.splitlines()) == 1 and "pipeline-parallel" in err, err
+
+
+@pytest.mark.parametrize("name", ["muon-dp2-to-one-rank", "muon-tp2-to-ep2"])
+def test_a_muon_run_resumes_at_another_layout_with_its_momentum(name, runs):
+    """Muon's momentum, kept per matrix on its owner rank, goes through the conversion (merged
+    over the data-parallel partitions and the tp shards as DeepSpeed merges Adam's moments) and
+    is cut again at the new layout: steps 6-10 continue the uninterrupted run to 1e-6. Without
+    it (the momenta zeroed in the conversion) step 7 moves by 1.6e-5 (measured, dp2 to one rank)."""
+    tmp, _ = runs
+    control = "muon-dp2-control" if name.startswith("muon-dp2") else "muon-tp2-control"
+    universal = tmp / name / "checkpoints" / "universal" / "step00000005"
+    assert (universal / "muon_momentum" / "layers.0.self_attn.q_proj.weight.pt").is_file()
+    assert not (universal / "zero" / "layers.0.self_attn.q_proj.weight" / "exp_avg.pt").exists()
+    assert (universal / "zero" / "norm.weight" / "exp_avg.pt").is_file()        # AdamW's, as before
+    _assert_continues(rows(tmp / control), rows(tmp / name))

@@ -149,10 +149,11 @@ def load(engine, ckpt_dir: Path, state: TrainState) -> int | None:
                          f"incomplete): delete it and point {LATEST} at an older tag")
     if universal and engine.zero_optimization_stage() == 3:
         _fix_zero3_universal_load(engine, load_dir / tag)
-    if universal and state.per_rank and engine.global_rank == 0:
-        print(f"warning: {', '.join(state.per_rank)} start afresh: per-rank state does not carry "
+    fresh = [name for name, part in state.per_rank.items() if not hasattr(part, "load_universal")]
+    if universal and fresh and engine.global_rank == 0:
+        print(f"warning: {', '.join(fresh)} start afresh: per-rank state does not carry "
               f"over a layout change", file=sys.stderr, flush=True)
-    return state.load(client_state, folder, same_world=not universal)
+    return state.load(client_state, folder, same_world=not universal, universal=load_dir / tag if universal else None)
 
 
 def _universal_mismatch(engine, folder: Path) -> str | None:

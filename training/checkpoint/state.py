@@ -70,17 +70,22 @@ class TrainState:
         """This rank's per-rank parts, or None when none is registered (no file is written)."""
         return {name: part.state_dict() for name, part in self.per_rank.items()} or None
 
-    def load(self, client_state: dict, folder: Path, same_world: bool = True) -> int:
+    def load(self, client_state: dict, folder: Path, same_world: bool = True, universal: Path | None = None) -> int:
         """Hand each part its state from ``client_state`` (and this rank's file in ``folder``);
         returns the checkpoint's step. ``same_world`` False (a universal checkpoint loaded at
-        another layout): per-rank state cannot be mapped onto other ranks, and those parts keep
-        their fresh state. ValueError (one line) for a missing part."""
+        another layout): per-rank state cannot be mapped onto other ranks; a part with
+        ``load_universal(folder)`` reads its own from the conversion ``universal`` (Muon's
+        momentum), the others keep their fresh state. ValueError (one line) for a missing part."""
         missing = [name for name in self.shared if name not in client_state]
         if missing:
             raise ValueError(f"checkpoint {folder} holds no {', '.join(missing)} state (it was written "
                              f"by a trainer without it): resume with the code that wrote it")
         for name, part in self.shared.items():
             part.load_state_dict(client_state[name])
+        if not same_world and universal is not None:
+            for part in self.per_rank.values():
+                if hasattr(part, "load_universal"):
+                    part.load_universal(universal)
         if self.per_rank and same_world:
             saved, world = len(list(Path(folder).glob(RANK_FILES))), _world_size()
             if saved and saved != world:

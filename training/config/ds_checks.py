@@ -195,6 +195,8 @@ def _check_optimizer(cfg: dict, stage: int) -> None:
     if not isinstance(mode, bool) or (name.lower() == "adamw" and not mode):
         raise _fail("optimizer.params.adam_w_mode", mode, "must be a boolean, and true for type \"AdamW\"",
                     "for L2 decay inside Adam use type \"Adam\" with adam_w_mode false")
+    if name.lower() == "muon":
+        _check_muon(cfg, params)
     if name.lower() == "lamb" and stage > 0 and not cfg.get("zero_allow_untested_optimizer"):
         # ZeRO 1-3 hand the optimizer one flat partition per param group, so LAMB's per-layer
         # trust ratio would become one ratio per group and rank, changing with the DP size.
@@ -202,6 +204,19 @@ def _check_optimizer(cfg: dict, stage: int) -> None:
                     f"under ZeRO stage {stage} sees flattened partitions, so its trust ratio is not per layer",
                     "use zero_optimization.stage 0 (ds_configs/zero0_lamb.json), or set "
                     "zero_allow_untested_optimizer: true to accept per-partition ratios")
+
+
+def _check_muon(cfg: dict, params: dict) -> None:
+    """Muon's keys (``training/optim/muon.py``) and the settings it cannot run with."""
+    from training.optim.muon import MuonSettings
+    MuonSettings.from_json(params)
+    if (cfg.get("fp16") or {}).get("enabled"):
+        raise _fail("optimizer.type", "Muon", "is not run under fp16 here (its Newton-Schulz would meet the "
+                    "loss-scaled gradient and fp16's range)", "use bf16, as ds_configs/muon.json does")
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    if offload not in ("none", None):
+        raise _fail("zero_optimization.offload_optimizer.device", offload, "is not run with Muon here (the "
+                    "update reads each matrix's whole gradient on the device)", "set it to \"none\"")
 
 
 def _torch_scheduler_params(name: str) -> Tuple[str, ...]:

@@ -82,7 +82,21 @@ def resolve_ds_config(ds: dict, recipe: Recipe, dims: ParallelDims) -> dict:
     if ours is not None:
         schedules.lr_multiplier(ours, recipe.train.steps)      # validates our schedule's params
     check_layout(ds, dims)
+    _check_muon_recipe(ds, recipe)
     return apply_grad_compression(ds, recipe.parallel.grad_compression, dims)
+
+
+def _check_muon_recipe(ds: dict, recipe: Recipe) -> None:
+    """Recipe keys that do not compose with a Muon JSON (``training/optim/muon.py``), refused in one line."""
+    if str(((ds.get("optimizer") or {}).get("type", ""))).lower() != "muon":
+        return
+    if recipe.model.mup_base_hidden_size is not None:
+        raise ValueError("model.mup_base_hidden_size with ds_config.optimizer.type Muon: muP's 1/m hidden lr is "
+                         "derived for Adam, Muon scales each matrix's update by its shape (adjust_lr_fn); "
+                         "unset one of them")
+    if recipe.parallel.grad_compression == "powersgd":
+        raise ValueError("parallel.grad_compression powersgd with ds_config.optimizer.type Muon: both replace "
+                         "the step after the data-parallel reduction; use none or bf16")
 
 
 def check_layout(ds: dict, dims: ParallelDims) -> None:

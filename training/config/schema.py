@@ -186,6 +186,8 @@ class TrainConfig:
     """On a GPU, fp32 matmuls and convolutions in TF32 (10-bit mantissa; faster, less exact)."""
     compile: bool = False
     """torch.compile each transformer block on its own (training/engine/compile.py); eager by default."""
+    qk_clip_tau: float | None = None
+    """QK-clip (Kimi K2's MuonClip): heads whose max logit passed this are scaled back to it; None: off."""
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("seed", 0), ("save_every", 0), ("keep_last", 0),
@@ -200,6 +202,11 @@ class TrainConfig:
         if self.grad_spike_factor is not None and not (
                 isinstance(self.grad_spike_factor, (int, float)) and self.grad_spike_factor > 1.0):
             raise ValueError(f"train.grad_spike_factor ({self.grad_spike_factor}) must be > 1, e.g. 5.0, "
+                             f"or null (off)")
+        if self.qk_clip_tau is not None and not (
+                isinstance(self.qk_clip_tau, (int, float)) and not isinstance(self.qk_clip_tau, bool)
+                and self.qk_clip_tau > 0):
+            raise ValueError(f"train.qk_clip_tau ({self.qk_clip_tau}) must be a number > 0 (Kimi K2: 100), "
                              f"or null (off)")
         for name in self.preemption_signals:
             if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None),
@@ -319,6 +326,15 @@ def _check_cross(r: Recipe) -> None:
     """Checks between sections: the data and tokenizer fit the model, and so does the
     checkpointing policy (the layout is ``Recipe.dims``)."""
     m = r.model
+    if r.train.qk_clip_tau is not None:
+        problem = ("model.qk_norm is true (the norm after q_proj and k_proj undoes their scaling)" if
+                   getattr(m, "qk_norm", False) else
+                   "parallel.context_parallel_size > 1 (a head's logits span the cp ranks)"
+                   if r.parallel.context_parallel_size > 1 else
+                   "data.document_masking is true (its heads attend within documents only)"
+                   if r.data.document_masking else None)
+        if problem:
+            raise ValueError(f"train.qk_clip_tau: {problem}; set it to null")
     if r.parallel.expert_exchange == "hierarchical":
         problem = ("the model has no experts" if m.moe is None else
                    "expert_parallel_size is 1" if r.parallel.expert_parallel_size == 1 else

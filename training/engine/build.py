@@ -19,7 +19,7 @@ from model.parallel.groups import ParallelGroups
 from training.checkpoint.shard_maps import enable_universal_checkpoint
 from training.engine.compile import compile_blocks
 from training.engine.sharded_build import build_partitioned, builds_partitioned
-from training.optim import optimizers, schedules
+from training.optim import muon, optimizers, schedules
 
 
 def build_model(recipe, init_from: Path | None, groups: ParallelGroups,
@@ -85,7 +85,10 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     ds, no_decay_group = optimizers.split_no_decay_group(ds)     # the JSON's "no_decay_group"
     param_groups = optimizers.param_groups(model, wd, model_cfg, no_decay_group)
     ds = optimizers.apply_group_lr_scales(ds, param_groups)
-    client_opt, ds = optimizers.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
+    if muon.is_muon_type(ds):      # ours, where DeepSpeed's Muon cannot be exact (training/optim/muon.py)
+        client_opt, ds = muon.build_optimizer(ds, model, param_groups)
+    else:
+        client_opt, ds = optimizers.maybe_build_client_optimizer(ds, param_groups, get_accelerator().device_name())
     lr_scheduler = None
     if our_sched is not None:      # DeepSpeed calls it with the optimizer it built
         lr_scheduler = partial(schedules.build_scheduler, our_sched, total_steps=total_steps)
@@ -115,5 +118,7 @@ def optimizer_summary(engine) -> dict:
     ``DeepSpeedCPUAdam``, ...) and the ZeRO or mixed-precision wrapper around it."""
     inner = engine.basic_optimizer or engine.optimizer
     flags = {k: inner.defaults[k] for k in ("foreach", "fused") if inner.defaults.get(k) is not None}
+    if getattr(inner, "assignment", None) is not None:     # Muon: which group goes to which half
+        flags["groups"] = inner.assignment
     return {"update": f"{type(inner).__module__}.{type(inner).__qualname__}", **flags,
             "wrapper": None if engine.optimizer is inner else type(engine.optimizer).__name__}

@@ -33,7 +33,9 @@ from training.engine.build import build_engine, build_model
 from training.resilience import preemption, watchdog
 from training.run import distributed, host, outputs
 from training.run.preflight import Plan, prepare
+from training.optim.muon_update import build_update as build_muon_update
 from training.step.grad_compression import build_compressor
+from training.step.clip_logits import build_qk_clip
 from training.step.history import StepHistory
 from training.step.stepper import StepContext, Stepper
 
@@ -135,6 +137,10 @@ class Run:
                                                        ctx.groups, plan.recipe.model,
                                                        plan.recipe.parallel.pipeline_schedule)
         self.compressor = build_compressor(plan.recipe, self.engine, ctx.groups)   # PowerSGD, or None
+        self.muon = build_muon_update(plan.ds, self.engine, ctx.groups)        # Muon's update, or None
+        self.qk_clip = build_qk_clip(plan.recipe, self.engine.module, self.engine.zero_optimization_stage())
+        if self.muon is not None and ctx.rank == 0:
+            print("\n".join(self.muon.optimizer.group_lines), flush=True)
         self.history = StepHistory.for_run(plan.recipe, plan.ds, ctx, plan.dp_size)
 
     def build_stepper(self, signals: preemption.Preemption | None = None,
@@ -143,7 +149,8 @@ class Run:
         writer when it has them (the benchmarks drive it without)."""
         plan = self.plan
         self.stepper = Stepper(self.engine, plan.recipe, plan.ds, self.ctx, plan.dp_size, self.history,
-                               self.where, preemption=signals, saver=saver, compressor=self.compressor)
+                               self.where, preemption=signals, saver=saver, compressor=self.compressor,
+                               muon=self.muon, qk_clip=self.qk_clip)
         return self.stepper
 
     def setup(self) -> None:
@@ -164,6 +171,8 @@ class Run:
         self.state.register("monitor", self.history)       # spike window, tokens, noise-scale EMAs
         if self.compressor is not None:                    # this rank's error feedback and Q
             self.state.register("grad_compression", self.compressor, per_rank=True)
+        if self.muon is not None:                          # this rank's Muon momentum
+            self.state.register("muon", self.muon, per_rank=True)
 
         if rank0:           # only now: a start refused while the data or model is built writes nothing
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)

@@ -48,10 +48,9 @@ from training.step.stats import (NOISE, BusyTime, StatsLayout, StepValues, busy_
 class StepContext:
     """Where the trainer is, kept current as it runs, for the out-of-memory report.
 
-    The run (``training/run/trainer.py``) hands over the objects as it builds them and marks
-    checkpoint loads and saves; ``Stepper`` marks each micro-batch's forward and backward, the optimizer step, the
-    pipeline schedule and evaluation. Plain attribute writes: the report reads them after the
-    error has unwound the stack.
+    The run (``training/run/trainer.py``) hands over the objects and marks checkpoint loads and
+    saves; ``Stepper`` marks each micro-batch's forward and backward, the optimizer step, the
+    pipeline schedule and evaluation (plain writes, read after the error unwound the stack).
     """
 
     phase: str = "start-up"
@@ -82,7 +81,7 @@ class StepDecision:
     lr: float | None = None                 # the first param group's lr of the step
     saved_lr: list[float] | None = None     # a skipped step's lrs, set to 0 for its update
     sched_before: int | None = None         # the lr scheduler's position before the step
-    grad_norm_local: float | None = None    # the trainer's norm at ZeRO-0 fp32 (applied steps)
+    grad_norm_local: object = None  # the trainer's norm at ZeRO-0 fp32 and under Muon (a device tensor)
     layer_sq: object = None     # per-layer squared gradient sums: a device tensor, or a host list at ZeRO-0 fp32
     grad_spike: bool = False    # the gradient norm is a spike (train.grad_spike_factor)
     exchange_bytes: int = 0     # what PowerSGD's exchange sent (0: a step skipped before it)
@@ -100,19 +99,20 @@ class Stepper:
         ds: the resolved DeepSpeed config (batch sizes, ZeRO stage, precision).
         ctx: ``training.run.distributed.DistContext`` (rank, device and process groups).
         dp_size: the data-parallel size without cp (the loss is scaled by it, see the module docstring).
-        history: what the step carries from step to step and a checkpoint keeps (spike
-            window, token count, noise-scale EMAs; ``history.py``); a fresh one when None.
+        history: what a step passes on and a checkpoint keeps (``history.py``); None: a fresh one.
         where: the ``StepContext`` to keep current (a private one when None).
         preemption: the run's ``training.resilience.preemption.Preemption`` (``stop_requested`` reads it).
         saver: the run's ``training.checkpoint.saving.Saver`` (``saves_written`` reads it).
-        compressor: the run's PowerSGD (``training/step/grad_compression.py``), which replaces
-            DeepSpeed's data-parallel all-reduce after the last backward; None: DeepSpeed's.
+        compressor: the run's PowerSGD (``grad_compression.py``), replacing DeepSpeed's all-reduce; or None.
+        muon, qk_clip: the run's ``training.optim.muon.MuonUpdate`` (run after the last backward) and
+            ``training.step.clip_logits.QKClip`` (after the update), or None.
     """
 
     def __init__(self, engine, recipe, ds: dict, ctx, dp_size: int, history: StepHistory | None = None,
-                 where: StepContext | None = None, *, preemption=None, saver=None, compressor=None):
+                 where: StepContext | None = None, *, preemption=None, saver=None, compressor=None, muon=None,
+                 qk_clip=None):
         self.engine, self.recipe, self.ctx = engine, recipe, ctx
-        self.compressor = compressor
+        self.compressor, self.muon, self.qk_clip, self.preemption = compressor, muon, qk_clip, preemption
         self.where = where if where is not None else StepContext()
         self.dp_size, self.tokens_per_step = dp_size, ds["train_batch_size"] * recipe.seq_len
         self.cp = ctx.groups.cp         # DeepSpeed averages over dp x cp (module docstring)
@@ -126,7 +126,7 @@ class Stepper:
                                  bool(moe and moe.expert_bias), self.cfg.mtp_depth)   # step/stats.py
         self.busy = BusyTime(ctx.device)
         self.pipeline = ctx.groups.pp > 1
-        self.preemption, self.saver = preemption, saver
+        self.saver = saver
         self.stop_requested = False     # a rank got a preemption signal before this step's end
         self.saves_written = True       # every rank's checkpoint writer has finished
         self.grad_sync = None if self.pipeline else self.model.grad_sync
@@ -184,8 +184,7 @@ class Stepper:
         return self._finish_step(step, decision, t0)
 
     def _stats_vector(self, device: torch.device) -> torch.Tensor:
-        """The step's statistics on the device (``training/step/stats.py``), holding the expert
-        biases this step routes with (the same on every rank that holds a layer)."""
+        """The step's statistics on the device (``training/step/stats.py``), with the expert biases it routes with."""
         stats = self.stats.new(device)
         g = self.ctx.groups
         self.stats.add_expert_biases(stats, self.model.expert_biases(), g.dp * g.ep * g.cp)   # the batch group
@@ -213,8 +212,7 @@ class Stepper:
         return StepDecision(stats, values, skip_reason, spike, stragglers)
 
     def _router_check_step(self, step: int) -> bool:
-        groups, every = self.ctx.groups, self.recipe.train.log_every
-        return bool(self.moe_blocks) and groups.tp * groups.ep > 1 and step % every == 0
+        return bool(self.moe_blocks) and self.ctx.groups.tp * self.ctx.groups.ep > 1 and step % self.recipe.train.log_every == 0
 
     def _check_router_replicas(self, step: int, stats: torch.Tensor) -> None:
         """Every ``train.log_every`` steps, put into the statistics how far the router weights,
@@ -263,7 +261,7 @@ class Stepper:
 
     def _prepare_last_step(self, decision: StepDecision) -> None:
         """After the last backward, before the optimizer step: record the lr (and at ZeRO-0 fp32
-        the gradient norm) in ``decision``; on a skip, make the update a no-op.
+        the gradient norm) in ``decision``, run Muon's update; on a skip, make the update a no-op.
 
         With lr 0 AdamW changes no weight (decoupled decay is lr * wd * p); non-finite gradients
         are also zeroed at ZeRO-0 (ZeRO 1-3 and half precision skip them natively).
@@ -274,9 +272,13 @@ class Stepper:
         if decision.skip_reason is None:
             if self.zero_stage == 0 and not self.half:
                 self._local_grad_norm(decision)
-            elif self.where.step % self.recipe.train.log_every == 0 or decision.spike:
+            elif self.muon is not None or self.where.step % self.recipe.train.log_every == 0 or decision.spike:
                 decision.layer_sq = self.layer_norms.squares(self.ctx.device)  # read with grad_norm
             if decision.skip_reason is None:
+                if self.muon is not None:       # on the raw norm: a float at ZeRO-0 fp32, else on the device
+                    if decision.grad_norm_local is None:
+                        decision.grad_norm_local = decision.layer_sq.sum().sqrt()
+                    self.muon.apply(decision.grad_norm_local)
                 return
         decision.saved_lr = [g["lr"] for g in param_groups]
         if self.zero_stage == 0:
@@ -287,11 +289,9 @@ class Stepper:
             g["lr"] = 0.0
 
     def _local_grad_norm(self, decision: StepDecision) -> None:
-        """ZeRO-0 fp32 hands a plain torch optimizer full, already-averaged gradients; DeepSpeed
-        does not report their norm there, so compute it (before clipping, as it does
-        elsewhere) from the per-layer sums (``training/step/layer_grads.py``: every shard
-        counted once, summed over tp x ep and the stages), read to the host once. Known before
-        the update, a gradient-norm spike can be skipped here (``train.grad_spike_factor``)."""
+        """ZeRO-0 fp32 hands a plain torch optimizer whole averaged gradients whose norm DeepSpeed
+        does not report: compute it before clipping from the per-layer sums (``layer_grads.py``),
+        read to the host once; a gradient-norm spike can be skipped here (``train.grad_spike_factor``)."""
         decision.layer_sq = self.layer_norms.squares(self.ctx.device).tolist()
         norm = decision.grad_norm_local = sum(decision.layer_sq) ** 0.5
         decision.grad_spike = self.history.grad_spike(norm)
@@ -299,8 +299,7 @@ class Stepper:
             decision.skip_reason = f"grad-norm spike ({norm:.4g})"
 
     def _pipeline_train_step(self, step: int, batches) -> tuple[dict, dict]:
-        """The step through DeepSpeed's 1F1B pipeline schedule; ``_pipeline_before_step`` runs
-        inside ``train_batch`` after the last backward and leaves the step's decision."""
+        """The step through DeepSpeed's pipeline schedule; ``_pipeline_before_step`` leaves the decision."""
         t0 = time.time()
         self.where.phase = "pipeline schedule (1F1B)"
         self.model.reset_stats()
@@ -327,7 +326,8 @@ class Stepper:
             # an overflow): put back the lr we zeroed, or the next step would run at lr 0.
             for group, lr in zip(engine.optimizer.param_groups, decision.saved_lr):
                 group["lr"] = lr
-        gn = self.engine.get_global_grad_norm()     # None at fp32 ZeRO-0: the trainer's own
+        # None at fp32 ZeRO-0: the trainer's own; under Muon, DeepSpeed's is the update's norm
+        gn = None if self.muon is not None else self.engine.get_global_grad_norm()
         gn, layer_sq = layer_grads.read(gn if gn is not None else decision.grad_norm_local, decision.layer_sq)
         if not decision.grad_spike and decision.skip_reason is None and self.history.grad_spike(gn):
             decision.grad_spike = True      # known only after DeepSpeed's step: applied
@@ -335,7 +335,8 @@ class Stepper:
             self.history.record(decision.values.loss, gn)
         if applied:
             self._update_expert_bias(decision.reduced)
-        return self._row(step, decision, applied, time.time() - t0, gn, layer_sq)
+        qk = self.qk_clip.after_step(applied, self.ctx.device) if self.qk_clip is not None else ({}, {})
+        return self._row(step, decision, applied, time.time() - t0, gn, layer_sq, qk)
 
     def _update_expert_bias(self, reduced: torch.Tensor) -> None:
         """Loss-free balancing after an applied step: the routed counts of the step, summed over
@@ -349,7 +350,7 @@ class Stepper:
         self.model.update_expert_bias(counts.view(self.stats.layers, self.stats.experts))
 
     def _row(self, step: int, decision: StepDecision, applied: bool, step_time: float,
-             gn: float | None, layer_sq: list[float] | None) -> tuple[dict, dict]:
+             gn: float | None, layer_sq: list[float] | None, qk: tuple[dict, dict]) -> tuple[dict, dict]:
         values, skip_reason = decision.values, decision.skip_reason
         self.history.tokens += int(values.tokens)
         row = {"step": step, "loss": values.loss, "lr": decision.lr, "grad_norm": gn, "tokens": self.history.tokens,
@@ -358,18 +359,17 @@ class Stepper:
             row.update(self.noise.row(values.small_batch_grad_sq, row["grad_norm"], applied))
         if self.compressor is not None:     # what this rank sent to the data-parallel all-reduces
             row["grad_exchange_bytes"] = decision.exchange_bytes
-        extra = {}
-        if self.moe_blocks:
-            moe_row, extra = self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)
-            row.update(moe_row)
+        moe_row, extra = (self.stats.moe_metrics(values.vector, self.dp_size, self.moe_blocks)
+                          if self.moe_blocks else ({}, {}))
+        row.update(moe_row | qk[0])      # QK-clip: each layer's largest logit of the step
+        extra.update(qk[1])
         if self.cfg.mtp_depth:      # each depth's mean cross-entropy over its targets
             row["mtp_loss"] = self.stats.mtp_losses(values.vector)
             extra.update({f"mtp_loss/depth{k}": v for k, v in enumerate(row["mtp_loss"], 1)})
         if self._router_check_step(step):
             row["router_divergence"] = values.router_divergence     # 0.0: router replicas bitwise equal
         row.update(decision.stragglers)         # every train.log_every steps: the ranks' busy times
-        if layer_sq is not None and (step % self.recipe.train.log_every == 0 or decision.spike
-                                     or decision.grad_spike):
+        if layer_sq is not None and (step % self.recipe.train.log_every == 0 or decision.spike or decision.grad_spike):
             layer_grads.add_to_row(row, extra, layer_sq, self.cfg.num_layers)
         row.update(spike_fields(decision.spike, decision.grad_spike, skip_reason, applied, gn,
                                 self.recipe.train.spike_action))

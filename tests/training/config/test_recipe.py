@@ -56,7 +56,7 @@ def test_recipe_opens_with_cluster_launch_command_and_sensitivities(path):
     header = _header(path)
     assert re.search(r"^# Cluster:", header, re.M), "name the target cluster"
     assert re.search(r"^# Critical:", header, re.M) and re.search(r"^# Robust:", header, re.M)
-    launch = re.search(r"deepspeed (--\S+ \S+ )*launch/train\.py --config ds_configs/zero[0-3]"
+    launch = re.search(r"deepspeed (--\S+ \S+ )*launch/train\.py --config ds_configs/(zero[0-3]|muon_\w+)"
                        r"\.json --recipe recipes/" + re.escape(path.name) + r"$", header, re.M)
     assert launch, f"{path.name}: no exact deepspeed launch command for this file"
     nodes = re.search(r"--num_nodes (\d+)", launch.group(0))
