@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, List, Tuple
 
 from model.parallel.dims import ParallelDims
 from training.config.ds_checks import validate_ds_config
-from training.optim import optimizers, schedules
+from training.optim import muon, optimizers, schedules
 
 if TYPE_CHECKING:
     from training.config.schema import Recipe
@@ -88,7 +88,7 @@ def resolve_ds_config(ds: dict, recipe: Recipe, dims: ParallelDims) -> dict:
 
 def _check_muon_recipe(ds: dict, recipe: Recipe) -> None:
     """Recipe keys that do not compose with a Muon JSON (``training/optim/muon.py``), refused in one line."""
-    if str(((ds.get("optimizer") or {}).get("type", ""))).lower() != "muon":
+    if not muon.is_muon_type(ds):
         return
     if recipe.model.mup_base_hidden_size is not None:
         raise ValueError("model.mup_base_hidden_size with ds_config.optimizer.type Muon: muP's 1/m hidden lr is "

@@ -20,7 +20,7 @@ accelerator supports fp16 (this CPU too), so results depend on the machine. Here
 - ``MuonUpdate.apply`` (``training/optim/muon_update.py``) runs after the step's last backward and DeepSpeed's data-parallel
   reduction, before ``engine.step()``: each Muon matrix's whole averaged gradient is clipped with
   the run's raw gradient norm, folded into the momentum, gathered over tensor parallelism when
-  the layer is split (``_TpShards``: every rank's rows or columns in their places),
+  the layer is split (``model/parallel/whole_matrix.py``: every rank's rows or columns in their places),
   orthogonalised in the run's precision (fp32 in an fp32 run) per matrix (an expert stack
   (E, H, I) is E matrices; each expert-parallel rank does its own experts), scaled, and written
   back as the gradient of this rank's part (``safe_set_full_grad``). A ZeRO partition therefore

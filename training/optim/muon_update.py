@@ -1,6 +1,6 @@
 """Muon's update of the hidden matrices at every layout (``training/optim/muon.py`` says what
 Muon is and why the trainer runs its own): Newton-Schulz, the per-matrix lr ratio, the gather of
-tensor-parallel shards (``_TpShards``) and ``MuonUpdate``, which runs between DeepSpeed's gradient
+tensor-parallel shards (``model/parallel/whole_matrix.py``) and ``MuonUpdate``, which runs between DeepSpeed's gradient
 reduction and ``engine.step()``; ``build_update`` makes the run's.
 """
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from model.parallel.whole_matrix import TpShards, broadcast_from, group_size, owner_of, rank_in, reduce_to
 
 from training.optim.muon import MuonSettings, _shape, is_muon, is_muon_type
 
@@ -48,39 +49,12 @@ def lr_ratio(fan_out: int, fan_in: int, rule: str) -> float:
     return math.sqrt(max(1.0, fan_out / fan_in))
 
 
-class _TpShards:
-    """Where a tensor-parallel Muon weight's rows (column-parallel) or columns (row-parallel)
-    sit in the whole matrix: every tp rank's indices along the split dim, gathered once. ``whole``
-    puts the tp ranks' shards of an update back in place (the single-process matrix, exactly);
-    ``mine`` takes this rank's back out."""
-
-    def __init__(self, dim: int, indices: list[int], group):
-        self.dim, self.group = dim, group
-        self.mine_idx = torch.tensor(indices, dtype=torch.long)
-        tp = dist.get_world_size(group)
-        gathered = [torch.empty_like(self.mine_idx) for _ in range(tp)]
-        dist.all_gather(gathered, self.mine_idx, group=group)
-        self.order = torch.cat(gathered)
-        self.size = int(self.order.max()) + 1
-
-    def whole(self, x: torch.Tensor) -> torch.Tensor:
-        from model.parallel.comm import gather_dim
-        shards = gather_dim(x, self.dim, self.group)         # tp shards side by side, rank order
-        shape = list(x.shape)
-        shape[self.dim] = self.size
-        out = x.new_zeros(shape)
-        return out.index_copy_(self.dim, self.order.to(x.device), shards)
-
-    def mine(self, x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(self.dim, self.mine_idx.to(x.device))
-
-
 @dataclass
 class _Matrix:
     name: str
     param: torch.nn.Parameter
     ratio: float                    # lr_ratio of one of its matrices (full shape)
-    tp: _TpShards | None            # None: whole on this rank
+    tp: TpShards | None             # None: whole on this rank
     group: object = None            # under ZeRO: its data-parallel group, the owner's global rank,
     owner: int = 0                  # and whether this rank is it (MuonUpdate._assign_owners)
     mine: bool = True
@@ -95,7 +69,7 @@ def _matrix(name: str, p: torch.nn.Parameter, rule: str, groups) -> _Matrix:
     tp = None
     for dim, idx in getattr(p, "shard_spec", []):
         if len(idx) < full[dim] and not (len(full) == 3 and dim == 0) and groups is not None and groups.tp > 1:
-            tp = _TpShards(dim, list(idx), groups.tp_group)
+            tp = TpShards(dim, list(idx), groups.tp_group, p.device)
     return _Matrix(name, p, lr_ratio(fan_out, fan_in, rule), tp)
 
 
@@ -141,14 +115,12 @@ class MuonUpdate:
             m.group = getattr(m.param, "ds_process_group", None) or m.param._dp_group
             by_group.setdefault(id(m.group), []).append(m)
         for members in by_group.values():
-            size = dist.get_world_size(members[0].group)
-            load = [0] * size
+            load = [0] * group_size(members[0].group)
             for m in sorted(members, key=lambda m: -math.prod(_shape(m.param))):      # stable: model order
                 r = load.index(min(load))
                 load[r] += math.prod(_shape(m.param))
-                m.owner = dist.get_global_rank(m.group, r)
-                m.mine = m.owner == dist.get_rank()
-            self.chunk = max(self.chunk, size)
+                m.owner, m.mine = owner_of(m.group, r)
+            self.chunk = max(self.chunk, len(load))
 
     def _update(self, m: _Matrix, g: torch.Tensor) -> torch.Tensor:
         """The scaled, orthogonalised update of matrix ``m`` from its (clipped) whole gradient."""
@@ -189,13 +161,13 @@ class MuonUpdate:
             owned = []
             for m in chunk:                 # each owner gets its matrices' whole gradients
                 g = _own_piece(m.param)
-                dist.reduce(g, dst=m.owner, group=m.group)
+                reduce_to(g, m.owner, m.group)
                 if m.mine:
                     owned.append((m, g))
             updates = {m.name: self._update(m, g * coef) for m, g in owned}      # owners at once
             for m in chunk:                 # and sends the updates back
                 u = updates.pop(m.name) if m.mine else torch.empty(_shape(m.param), device=m.param.device)
-                dist.broadcast(u, src=m.owner, group=m.group)
+                broadcast_from(u, m.owner, m.group)
                 safe_set_full_grad(m.param, u)
 
     def state_dict(self) -> dict:
@@ -254,7 +226,7 @@ def _own_piece(p: torch.nn.Parameter) -> torch.Tensor:
     if hasattr(p, "ds_id"):                                         # ZeRO-3: this rank's partition
         from deepspeed.utils import safe_get_local_grad
         local = safe_get_local_grad(p).reshape(-1)
-        start = dist.get_rank(group=p.ds_process_group) * local.numel()
+        start = rank_in(p.ds_process_group) * local.numel()
         n = max(0, min(local.numel(), out.numel() - start))
         out.narrow(0, start, n).copy_(local[:n])
     elif getattr(p, "_hp_mapping", None) is not None:              # ZeRO-1/2, bf16 optimizer

@@ -5,7 +5,8 @@ Each attention module records its heads' largest logit while the step's micro-ba
 after the optimizer step ``QKClip.after_step`` puts every layer's heads into one (layers, heads)
 tensor, takes the maximum over every rank in one all-reduce (each head's value lives on the tp
 rank that holds it, each rank saw its own tokens, and a pipeline stage holds its own layers),
-and on an applied step scales the query and key rows of the heads over tau. The weights are
+and on an applied step scales the query and key rows of the heads over tau, in the layers that
+have one (the row's per-layer maxima, read to the host for the metrics, say which). The weights are
 scaled where the step left them: the module's own tensor (the next forward's weights) and,
 under DeepSpeed's mixed precision or ZeRO, this rank's part of the fp32 master copy, which the
 next update starts from (ZeRO-1/2 and the bf16 optimizer: the parameter's ``_hp_mapping``
@@ -20,8 +21,8 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.distributed as dist
 
+from model.parallel.whole_matrix import job_max, rank_in
 from model.qk_clip import HeadLogits, clip_factors, row_scales
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -66,13 +67,12 @@ class QKClip:
         for slot, first, m in self.attns:
             local = m.qk_logits.take(device)
             logits[slot, first:first + local.numel()] = local
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(logits, op=dist.ReduceOp.MAX)
-        if applied:
-            for slot, _, m in self.attns:
+        job_max(logits)
+        per_layer = [v if v != float("-inf") else None for v in logits.amax(dim=1).tolist()]
+        for slot, _, m in self.attns:       # only layers with a head over tau (read with the row)
+            if applied and per_layer[slot] is not None and per_layer[slot] > self.tau:
                 for param, scale in row_scales(m, clip_factors(logits[slot], self.tau)):
                     self._scale(param, scale)
-        per_layer = [v if v != float("-inf") else None for v in logits.amax(dim=1).tolist()]
         return {"max_logit": per_layer}, {f"max_logit/layer{i}": v for i, v in enumerate(per_layer) if v is not None}
 
     def _scale(self, param: torch.nn.Parameter, rows: torch.Tensor) -> None:
@@ -93,7 +93,7 @@ class QKClip:
         shape = tuple(param.ds_shape)
         flat = rows.float().view(-1, *([1] * (len(shape) - 1))).expand(shape).reshape(-1)
         part = param.ds_tensor
-        start = dist.get_rank(group=param.ds_process_group) * part.ds_numel
+        start = rank_in(param.ds_process_group) * part.ds_numel
         n = max(0, min(part.ds_numel, param.ds_numel - start))
         piece = flat.narrow(0, start, n)
         scaled = [part.data]
@@ -125,5 +125,4 @@ def build_qk_clip(recipe, model, zero_stage: int) -> QKClip | None:
     """The run's ``QKClip``, or None when ``train.qk_clip_tau`` is null."""
     if recipe.train.qk_clip_tau is None:
         return None
-    return QKClip(model, recipe.model if not hasattr(model, "cfg") else model.cfg, recipe.train.qk_clip_tau,
-                  zero_stage)
+    return QKClip(model, model.cfg, recipe.train.qk_clip_tau, zero_stage)
