@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import math
 import os
+import re
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,16 @@ def block_length(size: int) -> int:
     """The canonical block length along a sharded dim of ``size``: ``size / gcd(size, 64)``,
     so the blocks tile every even split of ``size`` in a number of parts dividing 64."""
     return size // math.gcd(size, BLOCKS)
+
+
+_PIPELINE_PREFIX = re.compile(r"^(?:\d+|tied_modules\.\w+)\.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in ``model.Transformer`` from its name in DeepSpeed's PipelineModule
+    (``3.layers.2.mlp.gate.weight``, ``tied_modules.embed.embed_tokens.weight``); other names
+    unchanged. Checkpoints of every layout meet under these names."""
+    return _PIPELINE_PREFIX.sub("", name, count=1)
 
 
 def take_shard(full: torch.Tensor, spec) -> torch.Tensor:

@@ -4,7 +4,7 @@ Three runs of the tiny Mixtral on 4 gloo ranks under ZeRO-3 fp32, each partition
 built (``training/engine/sharded_build.py``): TP2 (dp 2: each model-parallel rank's weights are split
 over two optimizer files), EP2 (dp 2) and TP2 x EP2 (dp 1), against a single-process ZeRO-2
 control on the same micro-batches. ``launch/evaluate.py`` and ``launch/convert_hf.py
-export`` on each run (``interop/consolidate.py``: ``zero_to_fp32`` per model-parallel rank, then
+export`` on each run (``interop/consolidate.py``: each model-parallel rank's ZeRO-3 pieces joined, then
 the tp x ep merge) must give the single-process control's weights, loss and logits. The runs
 are ``launch/train.py``'s command line on ranks forked from one process that has imported the
 libraries (``tests.runs.WarmLauncher``; tests/launch/test_train.py covers torchrun).

@@ -164,8 +164,13 @@ def test_the_logged_bias_is_the_one_the_step_routed_with(runs):
     assert control[4]["expert_bias_range"] == max(max(b) - min(b) for b in layers["expert_bias"])
 
 
-def test_universal_conversion_refuses_a_run_with_an_expert_bias(runs):
+def test_the_universal_conversion_carries_the_expert_biases(runs, tmp_path):
+    """A pipeline run's biases (in its stages' layer files) go into the conversion's
+    ``buffers/`` under the Transformer's names, bitwise the control's (interop/universal.py)."""
     from interop import universal
-    with pytest.raises(ValueError, match=r"e_score_correction_bias \(a buffer\) would restart at "
-                                         r"zero: resume this run at its layout"):
-        universal.check(runs["ep2-off"])
+    run_dir = tmp_path / "pp2"
+    shutil.copytree(runs["pp2"], run_dir)
+    target = universal.convert(run_dir, *universal.check(run_dir), progress=None)
+    control = _rank_biases(runs["control"], 0)
+    got = {p.name[:-3]: torch.load(p, weights_only=True)["param"] for p in (target / "buffers").iterdir()}
+    assert got.keys() == control.keys() and all(torch.equal(got[k], control[k]) for k in control)

@@ -1,19 +1,22 @@
-"""Resume a checkpoint at another layout through DeepSpeed's universal checkpoint.
+"""Resume a checkpoint at another layout and ZeRO stage through a universal checkpoint.
 
-A run trains to step 5 and stops, ``launch/to_universal.py`` converts its checkpoint, and the
-same command resumes at the new layout with ``"checkpoint": {"load_universal": true}`` to step
-10; its losses must continue those of an uninterrupted run at the old layout.
+Each cell trains to step 5 at layout A and stops, ``launch/to_universal.py`` (``interop/universal.py``)
+converts its checkpoint, and the same command resumes at layout B with ``"checkpoint":
+{"load_universal": true}`` to step 10. The runs are made once per module, packed into one
+launched process group per world size (one run after another).
 
-The runs are made once per module, a world size's one after another in one launched process
-group. The scheduler's lengths are explicit in the JSON (not "auto"), so ``--steps 5`` and then
-``--steps 10`` follow the 10-step schedule of the control. The global batch is the same on both
-sides (2 ranks x micro 8 -> 1 rank x micro 8 x accumulation 2), so the data order continues.
+The control: an uninterrupted 10-step run that stands for A. Layouts of the same global batch
+compute the same losses up to summation order (~1e-7 relative here), so the cells with one
+global batch share one control, and each cell first asserts that its stopped run's steps 1-5
+equal the control's to relative 1e-6 (the control is A's run, to the tolerance); steps 6-10 of
+the resumed run must then continue it: loss and grad norm within relative 1e-6, lr and token
+counts equal. The scheduler's lengths are explicit in the JSON, so ``--steps 5`` and then
+``--steps 10`` follow the control's 10-step schedule.
 
-Tolerance: fp32. The conversion itself is exact (fp32 master weights and Adam moments are copied,
-not recomputed); the new layout only sums the same gradients in another order (two micro-batches
-on one rank instead of an all-reduce over two; split matmuls under tp/ep), ~1e-7 relative per
-op. Relative 1e-6 on the losses of steps 6-10 fails on any lost state: resuming with fresh Adam
-moments, a reset Adam step or a wrong weight shard moves the step-7 loss by > 1e-5.
+Tolerance: fp32. The conversion is exact (fp32 master weights, Adam moments and step, Muon
+momentum, expert biases are copied, not recomputed); the new layout only sums the same
+gradients in another order. Relative 1e-6 fails on lost state: ``test_the_matrix_can_fail``
+resumes from a conversion whose Adam moments were zeroed and sees step 6 or 7 move by more.
 """
 
 from __future__ import annotations
@@ -28,18 +31,63 @@ import torch
 
 from tests.runs import REPO, env, rows
 
-NO_JITTER = ["model.moe.router_jitter=0.0"]   # noise is seeded by the dp coordinate: a dp change redraws it
+J = ["model.moe.router_jitter=0.0"]       # router noise is seeded by the dp coordinate
 SAVE5 = ["train.save_every=5"]
+PP2, TP2, EP2 = (["parallel.pipeline_parallel_size=2"], ["parallel.tensor_parallel_size=2"],
+                 ["parallel.expert_parallel_size=2"])
+DSV3 = ["model.family=mixtral"]            # replaced by the recipe below (see _recipe)
+MUON = {"type": "Muon", "params": {"lr": 0.0006, "weight_decay": 0.1}}
+DENSE = ["model.family=dense", "model.moe=null"]
+
+# name: (control, (ranks, JSON, --set) at A, (ranks, JSON, --set) at B). Cells of one control
+# have its global batch: 8 sequences (dp 1) or 16 (dp 2, or one rank with accumulation 2).
+CELLS = {
+    "pp2-to-1": ("one", (2, "z1", J + PP2), (1, "z1", J)),
+    "1-to-pp2": ("one", (1, "z1", J), (2, "z1", J + PP2)),
+    "pp2-zbh1-to-tp2": ("one", (2, "z1", J + PP2 + ["parallel.pipeline_schedule=zb-h1"]), (2, "z1", J + TP2)),
+    "cp2-to-1": ("one", (2, "z1", J + ["parallel.context_parallel_size=2"]), (1, "z1", J)),
+    "tp2-zero1-to-ep2-zero3": ("one", (2, "z1", J + TP2), (2, "z3", J + EP2)),
+    "pp2xtp2-to-ep2xtp2": ("one", (4, "z1", J + PP2 + TP2), (4, "z1", J + EP2 + TP2)),
+    "tp2xep2-to-pp2xep2": ("one", (4, "z1", J + TP2 + EP2), (4, "z1", J + PP2 + EP2)),
+    "zero0-to-zero1": ("dp2", (2, "z0", J), (2, "z1", J)),
+    "zero3-to-zero2-one-rank": ("dp2", (2, "z3", J), (1, "z2-acc2", J)),
+    "dsv3-ep2-to-1": ("dsv3", (2, "z1", DSV3 + EP2), (1, "z1", DSV3)),
+    "muon-zero3-to-zero1-one-rank": ("muon-dp2", (2, "muon-z3", J + DENSE), (1, "muon-z1-acc2", J + DENSE)),
+    "muon-pp2-to-tp2": ("muon-one", (2, "muon-z1", J + PP2), (2, "muon-z1", J + TP2)),
+}
+CONTROLS = {"one": (1, "z1", J), "dp2": (2, "z1", J), "dsv3": (1, "z1", DSV3),
+            "muon-dp2": (2, "muon-z3", J + DENSE), "muon-one": (1, "muon-z1", J)}
+JSONS = {"z0": ("zero0_fp32", {}), "z1": ("zero1_fp32", {}), "z3": ("zero3_fp32", {}),
+         "z2-acc2": ("zero2_fp32", {"gradient_accumulation_steps": 2}),
+         "muon-z1": ("zero1_fp32", {"optimizer": MUON}), "muon-z3": ("zero3_fp32", {"optimizer": MUON}),
+         "muon-z1-acc2": ("zero1_fp32", {"optimizer": MUON, "gradient_accumulation_steps": 2})}
 
 
-def _config(tmp, name: str, base: str = "zero2_fp32", **changes) -> str:
-    """ds_configs/<base>.json with a fixed 10-step schedule, plus ``changes``."""
+def _config(tmp, key: str, universal: bool = False) -> str:
+    """The JSON ``key`` of JSONS with a fixed 10-step schedule (and ``load_universal``)."""
+    base, changes = JSONS[key]
     cfg = json.loads((REPO / "ds_configs" / f"{base}.json").read_text())
     cfg["scheduler"]["params"].update(total_num_steps=10, warmup_num_steps=2)
     cfg.update(changes)
-    path = tmp / f"{name}.json"
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    path = tmp / f"{key}{'-universal' if universal else ''}.json"
     path.write_text(json.dumps(cfg))
     return str(path)
+
+
+def _recipe(extra: list[str]) -> list[str]:
+    """Tiny DeepSeek-V3 (MLA, MTP, sigmoid routing with loss-free balancing's expert bias) at
+    the test's sizes: ``--set`` keys after the ``--recipe`` the launcher cannot pass, so the
+    recipe's model section is given as keys."""
+    if extra[:1] != DSV3:
+        return extra
+    return ["model.attention=mla", "model.q_lora_rank=32", "model.kv_lora_rank=32", "model.qk_nope_head_dim=16",
+            "model.qk_rope_head_dim=16", "model.v_head_dim=16", "model.num_heads=4", "model.num_kv_heads=4",
+            "model.mtp_depth=1", "model.mtp_loss_coef=0.3", "model.moe.num_experts=8", "model.moe.top_k=2",
+            "model.moe.score_function=sigmoid", "model.moe.n_group=4", "model.moe.topk_group=2",
+            "model.moe.expert_bias_update_rate=0.002", "model.moe.num_shared_experts=1",
+            "model.moe.first_k_dense=1", "model.moe.router_jitter=0.0"] + extra[1:]
 
 
 def _to_universal(run_dir):
@@ -47,108 +95,207 @@ def _to_universal(run_dir):
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
 
 
-def _assert_continues(ref: list[dict], got: list[dict]) -> None:
-    assert [r["step"] for r in got] == list(range(1, 11))
+def _close(ref: list[dict], got: list[dict], steps) -> list[str]:
+    """Where ``got`` leaves ``ref`` at ``steps`` (relative 1e-6; lr and tokens exact)."""
+    out = []
     for a, b in zip(ref, got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6), a["step"]
-        assert (b["lr"], b["tokens"]) == (a["lr"], a["tokens"]), a["step"]
-
-
-LAYOUTS = {"tp2": ["parallel.tensor_parallel_size=2"], "ep2": ["parallel.expert_parallel_size=2"]}
-# Muon (training/optim/muon.py): its momentum goes through the conversion beside DeepSpeed's state
-# (interop/muon_universal.py). The dense model over dp2 at ZeRO-2 to one rank, and tiny Mixtral
-# from TP2 to EP2 at ZeRO-1.
-MUON = {"type": "Muon", "params": {"lr": 0.0006, "weight_decay": 0.1}}
-DENSE = ["model.family=dense", "model.moe=null"]
-MODEL_PARALLEL_CHANGES = [("zero1_fp32", "ep2", "tp2"), ("zero3_fp32", "tp2", "ep2")]
-# eval.batches counts micro-batches per rank: 4 x 8 on one rank = 2 x 8 on each of two.
-ONE_RANK = NO_JITTER + SAVE5 + ["eval.batches=4"]
+        if a["step"] in steps and not (b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+                                       and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+                                       and (b["lr"], b["tokens"]) == (a["lr"], a["tokens"])):
+            out.append(f"step {a['step']}: loss {b['loss']} vs {a['loss']}, grad_norm {b['grad_norm']} vs {a['grad_norm']}")
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(warm_launcher, tmp_path_factory):
-    """Every run of the module, made once, each the command a user types: the runs stopped at
-    step 5 and their uninterrupted controls (one launched 2-rank process group, one run after
-    another), ``launch/to_universal.py`` on copies of them, then the resumes at the new layouts
-    (the one-rank resume twice: the second finds the native checkpoint the first saved).
-    Returns the folder and the JSON of the 2-rank dp run."""
+    """Every run of the module, each the command a user types: the controls and the runs stopped
+    at step 5 (one launch per world size), the conversions (one through the command line, the
+    rest through ``interop.universal.convert`` in this process), then the resumes (the
+    ZeRO-3 -> one-rank resume twice: the second finds the native checkpoint the first saved)."""
+    from interop.universal import check, convert
     tmp = tmp_path_factory.mktemp("universal")
-    config = _config(tmp, "zero2")
-    stopped = [(tmp / "dp2-control", config, NO_JITTER + SAVE5), (tmp / "dp2-stopped", config, NO_JITTER + SAVE5, 5)]
-    resumes = []
-    for base, source, target in MODEL_PARALLEL_CHANGES:
-        # tp and ep changes keep the router noise (seeded without them): jitter stays on.
-        cfg = _config(tmp, base, base=base)
-        stopped += [(tmp / f"{base}-{source}-control", cfg, LAYOUTS[source]),
-                    (tmp / f"{base}-{source}-to-{target}", cfg, LAYOUTS[source] + SAVE5, 5)]
-        resumes.append((tmp / f"{base}-{source}-to-{target}",
-                        _config(tmp, f"{base}_universal", base=base, checkpoint={"load_universal": True}),
-                        LAYOUTS[target] + SAVE5))
-    muon2 = _config(tmp, "muon-zero2", optimizer=MUON)
-    muon1 = _config(tmp, "muon-zero1", base="zero1_fp32", optimizer=MUON)
-    stopped += [(tmp / "muon-dp2-control", muon2, NO_JITTER + DENSE),
-                (tmp / "muon-dp2-stopped", muon2, NO_JITTER + DENSE + SAVE5, 5),
-                (tmp / "muon-tp2-control", muon1, LAYOUTS["tp2"]),
-                (tmp / "muon-tp2-to-ep2", muon1, LAYOUTS["tp2"] + SAVE5, 5)]
-    resumes.append((tmp / "muon-tp2-to-ep2", _config(tmp, "muon-zero1-universal", base="zero1_fp32", optimizer=MUON,
-                                                      checkpoint={"load_universal": True}), LAYOUTS["ep2"] + SAVE5))
-    warm = warm_launcher
-    warm.launch_many(stopped)
-    shutil.copytree(tmp / "dp2-stopped", tmp / "dp2-to-one-rank")
-    shutil.copytree(tmp / "muon-dp2-stopped", tmp / "muon-dp2-to-one-rank")
-    for run_dir in [tmp / "dp2-to-one-rank", tmp / "muon-dp2-to-one-rank"] + [r[0] for r in resumes]:
-        out = _to_universal(run_dir)
-        assert out.returncode == 0, out.stderr[-2000:]
-    warm.launch_many(resumes)
-    one_rank = _config(tmp, "acc2", gradient_accumulation_steps=2, checkpoint={"load_universal": True})
-    muon_one = _config(tmp, "muon-acc2", gradient_accumulation_steps=2, optimizer=MUON,
-                       checkpoint={"load_universal": True})
-    warm.launch_many([(tmp / "dp2-to-one-rank", one_rank, ONE_RANK)] * 2
-                     + [(tmp / "muon-dp2-to-one-rank", muon_one, ONE_RANK + DENSE)], nproc=1)
-    return tmp, config
+    first, second = {}, {}
+    for name, (ranks, key, extra) in CONTROLS.items():
+        first.setdefault(ranks, []).append((tmp / f"control-{name}", _config(tmp, key), _recipe(extra) + SAVE5))
+    for name, (_, (ranks, key, extra), _) in CELLS.items():
+        first.setdefault(ranks, []).append((tmp / name, _config(tmp, key), _recipe(extra) + SAVE5, 5))
+    for ranks, batch in sorted(first.items()):
+        warm_launcher.launch_many(batch, nproc=ranks)
+    for i, name in enumerate(CELLS):
+        if i == 0:
+            out = _to_universal(tmp / name)
+            assert out.returncode == 0 and "wrote" in out.stdout, out.stderr[-2000:]
+        else:
+            convert(tmp / name, *check(tmp / name), progress=None)
+    shutil.copytree(tmp / "pp2-to-1", tmp / "zeroed-moments")
+    _zero_moments(tmp / "zeroed-moments" / "checkpoints" / "universal" / "step00000005")
+    for name, (_, _, (ranks, key, extra)) in CELLS.items():
+        second.setdefault(ranks, []).append((tmp / name, _config(tmp, key, universal=True), _recipe(extra) + SAVE5))
+    second[1].append((tmp / "zeroed-moments", _config(tmp, "z1", universal=True), J + SAVE5))
+    second[1].append(second[1][[r[0].name for r in second[1]].index("zero3-to-zero2-one-rank")])
+    for ranks, batch in sorted(second.items()):
+        warm_launcher.launch_many(batch, nproc=ranks)
+    return tmp
 
 
-def test_dp2_to_one_rank_resumes_exactly_through_ds_to_universal(runs):
-    tmp, _ = runs
-    run_dir = tmp / "dp2-to-one-rank"
-    universal = run_dir / "checkpoints" / "universal"
-    assert (universal / "latest_universal").read_text() == "step00000005"
-    assert (universal / "step00000005" / "zero" / "norm.weight" / "exp_avg.pt").is_file()
-    log = (tmp / "dp2-to-one-rank.log").read_text()
+def _zero_moments(folder) -> None:
+    """Zero every Adam moment of a conversion and write its manifest again (it verifies)."""
+    from training.checkpoint import manifest
+    for path in folder.glob("zero/*/exp_avg*.pt"):
+        saved = torch.load(path, weights_only=True)
+        torch.save({"param": torch.zeros_like(saved["param"])}, path)
+    (folder / manifest.MANIFEST).unlink()
+    manifest.write_share(folder, 0, 1)
+    manifest.merge(folder, 5, {}, 1)
+
+
+@pytest.mark.parametrize("name", list(CELLS))
+def test_a_checkpoint_resumes_exactly_at_another_layout(name, runs):
+    tmp = runs
+    control = rows(tmp / f"control-{CELLS[name][0]}")
+    got = rows(tmp / name)
+    assert [r["step"] for r in got] == list(range(1, 11)), name
+    assert not _close(control, got, range(1, 6)), (name, "A's own steps 1-5 leave the control")
+    assert not _close(control, got, range(6, 11)), (name, _close(control, got, range(6, 11)))
+    log = (tmp / f"{name}.log").read_text()
     resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
-    assert resumed[0] == f"resumed from {run_dir / 'checkpoints' / 'step00000005'}", resumed
-    _assert_continues(rows(tmp / "dp2-control"), rows(run_dir))
-    evals = [[r["eval_loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-              if "eval_loss" in r] for d in (tmp / "dp2-control", run_dir)]
-    assert evals[1] == pytest.approx(evals[0], rel=1e-6) and len(evals[1]) == 2
-
-    # The resumed run saved step 10 at its own layout: the same command again resumes from that
-    # native checkpoint, not from the older conversion (and has nothing left to train).
-    assert resumed[1:] == [f"resumed from {run_dir / 'checkpoints' / 'step00000010'}"], resumed
-    assert len(rows(run_dir)) == 10
+    assert resumed[0] == f"resumed from {tmp / name / 'checkpoints' / 'step00000005'}", resumed
 
 
-def test_resuming_at_another_layout_without_conversion_is_one_line(warm_launcher, runs, tmp_path):
-    tmp, config = runs
+def test_the_matrix_can_fail(runs):
+    """Fresh Adam moments (the conversion's zeroed, its manifest rewritten) move the resumed
+    losses by more than the tolerance."""
+    control, got = rows(runs / "control-one"), rows(runs / "zeroed-moments")
+    assert _close(control, got, range(6, 11)), "zeroed moments went unnoticed"
+
+
+def test_the_conversion_carries_what_each_layout_keeps(runs):
+    """The universal folder of each kind of source: the tied and pipeline names as the
+    Transformer's, the expert biases, Muon's momentum instead of Adam's moments, a manifest."""
+    tmp = runs
+    pp = tmp / "pp2-to-1" / "checkpoints" / "universal" / "step00000005"
+    assert (pp / "zero" / "layers.1.mlp.experts.up_proj" / "exp_avg_sq.pt").is_file()
+    assert json.loads((pp / "universal.json").read_text())["source"] == {
+        "pp": 2, "tp": 1, "ep": 1, "dp": 1, "zero_stage": 1, "kind": "flat"}
+    assert (pp / "manifest.json").is_file() and (pp.parent / "latest_universal").read_text() == "step00000005"
+    ds = tmp / "dsv3-ep2-to-1" / "checkpoints" / "universal" / "step00000005"
+    assert sorted(p.name for p in (ds / "buffers").iterdir()) == [
+        f"{m}.mlp.gate.e_score_correction_bias.pt" for m in ("layers.1", "mtp.0.block")]
+    assert (ds / "zero" / "mtp.0.block.mlp.experts.down_proj" / "fp32.pt").is_file()
+    for name in ("muon-zero3-to-zero1-one-rank", "muon-pp2-to-tp2"):
+        muon = tmp / name / "checkpoints" / "universal" / "step00000005"
+        assert (muon / "muon_momentum" / "layers.0.self_attn.q_proj.weight.pt").is_file(), name
+        assert not (muon / "zero" / "layers.0.self_attn.q_proj.weight" / "exp_avg.pt").exists(), name
+        assert (muon / "zero" / "norm.weight" / "exp_avg.pt").is_file(), name       # AdamW's, as before
+
+
+def test_a_resume_after_the_conversion_continues_from_its_own_checkpoints(runs):
+    """The resumed run saved step 10 at its own layout: the same command again resumes from
+    that native checkpoint, not from the older conversion (and has nothing left to train)."""
+    name = "zero3-to-zero2-one-rank"
+    log = (runs / f"{name}.log").read_text()
+    resumed = [line for line in log.splitlines() if line.startswith("resumed from")]
+    assert resumed[1:] == [f"resumed from {runs / name / 'checkpoints' / 'step00000010'}"], resumed
+    assert len(rows(runs / name)) == 10
+
+
+def _hf_logits(run_dir, tag: str, out) -> torch.Tensor:
+    """transformers' logits of ``launch/convert_hf.py export``'s work on checkpoint ``tag``."""
+    from transformers import AutoModelForCausalLM
+    from interop.consolidate import load_run_model
+    from interop.hf_files import export_hf
+    model, cfg, _ = load_run_model(run_dir, tag)
+    export_hf(model, cfg, None, out)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return hf(ids).logits
+
+
+@pytest.mark.parametrize("name, tag", [("tp2xep2-to-pp2xep2", "step00000010"), ("cp2-to-1", "step00000005")])
+def test_an_export_from_pp2_x_ep2_and_from_cp2_equals_the_single_process_one(name, tag, runs, tmp_path):
+    """The PP2 x EP2 checkpoint (saved by the resumed run) and the CP2 one exported to
+    transformers give the single-process control's logits at the same step: every expert and
+    stage merged into place (relative 1e-6 of the logits' scale; summation order only)."""
+    want = _hf_logits(runs / "control-one", tag, tmp_path / "control")
+    got = _hf_logits(runs / name, tag, tmp_path / name)
+    assert want.std() > 0.1
+    assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item(), (got - want).abs().max().item()
+
+
+def _tree(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_damaged_conversion_or_none_is_one_line_and_loses_nothing(warm_launcher, runs, tmp_path):
+    """Resuming at another layout without a conversion, or from a damaged one, is one line
+    (exit 2) naming the fix, and leaves the run directory byte for byte as it was."""
     run_dir = tmp_path / "run"
-    shutil.copytree(tmp / "dp2-stopped", run_dir)
-    warm = warm_launcher
-    assert warm.launch(run_dir, config, nproc=1, extra=NO_JITTER + SAVE5, check=False) == 2
-    log = (tmp_path / "run.log").read_text().splitlines()
-    errors = [ln for ln in log if ln.startswith("error:")]
-    assert len(errors) == 1, errors
-    assert "data-parallel size 2" in errors[0] and "launch/to_universal.py" in errors[0]
+    shutil.copytree(runs / "pp2-to-1", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step00000010")
+    (run_dir / "checkpoints" / "latest").write_text("step00000005")
+    universal = run_dir / "checkpoints" / "universal" / "step00000005"
+    victim = universal / "zero" / "norm.weight" / "exp_avg.pt"
+    victim.write_bytes(victim.read_bytes()[:100])
+    before = _tree(run_dir)
+    for config, expected in ((_config(tmp_path, "z1", universal=True), "convert the run again"),
+                             (_config(tmp_path, "z1"), "launch/to_universal.py")):
+        assert warm_launcher.launch(run_dir, config, nproc=1, extra=J + SAVE5, check=False) == 2
+        errors = [ln for ln in (tmp_path / "run.log").read_text().splitlines() if ln.startswith("error:")]
+        assert len(errors) >= 1 and expected in errors[-1], errors
+        (tmp_path / "run.log").unlink()
+    after = _tree(run_dir)
+    after.pop("metrics.jsonl", None), before.pop("metrics.jsonl", None)
+    assert after.keys() == before.keys() and all(after[k] == before[k] for k in before)
 
 
-@pytest.mark.parametrize("base, source, target", MODEL_PARALLEL_CHANGES)
-def test_model_parallel_change_resumes_exactly(base, source, target, runs):
-    """Experts split over ep (dim 0) <-> every weight split over tp (column dim 0, row dim 1):
-    the shards merge by the affine maps built from each parameter's ``shard_spec`` and are cut
-    again for the new ranks. dp = 1 on both sides: global batch 8. ZeRO-3 also needs the
-    trainer's two fixes of DeepSpeed's ZeRO-3 universal load (training/checkpoint/resume.py)."""
-    tmp, _ = runs
-    _assert_continues(rows(tmp / f"{base}-{source}-control"), rows(tmp / f"{base}-{source}-to-{target}"))
+def test_to_universal_errors_are_one_line(tmp_path):
+    def run(*args):
+        out = subprocess.run([sys.executable, "launch/to_universal.py", *args], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=120)
+        return out.returncode, out.stderr.strip()
+
+    rc, err = run("--run-dir", str(tmp_path / "missing"))
+    assert rc == 2 and len(err.splitlines()) == 1 and "no config.json" in err, err
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step00000005").mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"recipe": {"model": {"family": "dense", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+                              "num_kv_heads": 4, "vocab_size": 256, "ffn_hidden_size": 64}}, "ds_config": {}, "world": {}}))
+    rc, err = run("--run-dir", str(run_dir))
+    assert rc == 2 and len(err.splitlines()) == 1 and "no complete checkpoint" in err, err
+    (run_dir / "checkpoints" / "latest").write_text("step00000005")
+    states = run_dir / "checkpoints" / "step00000005" / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "optimizer": {"state": {}, "param_groups": []}}, states)
+    rc, err = run("--run-dir", str(run_dir))       # a ZeRO-0 checkpoint of older code
+    assert rc == 2 and len(err.splitlines()) == 1 and "recorded its parameters' names" in err, err
+    states.write_bytes(b"not a checkpoint")
+    rc, err = run("--run-dir", str(run_dir))
+    assert rc == 2 and len(err.splitlines()) == 1 and "cannot be converted" in err, err
+    assert not (run_dir / "checkpoints" / "universal").exists() or not any(
+        p.name.startswith(".") for p in (run_dir / "checkpoints" / "universal").iterdir())
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("the payload ran",))
+
+
+def test_a_planted_pickle_in_a_checkpoint_is_refused_in_one_line(tmp_path):
+    """Every read of a conversion is weights-only: a file that would run code when unpickled
+    is refused with one line naming it, before anything of it runs."""
+    run_dir = tmp_path / "run"
+    folder = run_dir / "checkpoints" / "step00000005"
+    folder.mkdir(parents=True)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"recipe": {"model": {"family": "dense", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+                              "num_kv_heads": 4, "vocab_size": 256, "ffn_hidden_size": 64}}, "ds_config": {}, "world": {}}))
+    (run_dir / "checkpoints" / "latest").write_text("step00000005")
+    torch.save({"module": {}, "optimizer": _Payload()}, folder / "mp_rank_00_model_states.pt")
+    out = subprocess.run([sys.executable, "launch/to_universal.py", "--run-dir", str(run_dir)], cwd=REPO,
+                         env=env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "the payload ran" not in out.stdout + out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "refusing to load" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("tp, ep, placement", [(2, 1, "contiguous"), (1, 2, "contiguous"),
@@ -177,42 +324,3 @@ def test_shard_maps_cut_and_merge_every_parameter_like_its_shard_spec(tp, ep, pl
         for r, shard in shards.items():
             assert torch.equal(m.extract(full[name], r), shard), (name, r)
         assert torch.equal(m.rebuild(shards), full[name]), name
-
-
-def test_to_universal_errors_are_one_line(tmp_path):
-    def run(*args):
-        out = subprocess.run([sys.executable, "launch/to_universal.py", *args], cwd=REPO,
-                             env=env(), capture_output=True, text=True, timeout=120)
-        return out.returncode, out.stderr.strip()
-
-    rc, err = run("--run-dir", str(tmp_path / "missing"))
-    assert rc == 2 and len(err.splitlines()) == 1 and "no config.json" in err, err
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "step00000005").mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(
-        {"recipe": {"model": {"family": "mixtral"}}, "ds_config": {}}))
-    rc, err = run("--run-dir", str(run_dir))
-    assert rc == 2 and len(err.splitlines()) == 1 and "no complete checkpoint" in err, err
-    (run_dir / "checkpoints" / "latest").write_text("step00000005")
-    torch.save({"module": {}},
-               run_dir / "checkpoints" / "step00000005" / "mp_rank_00_model_states.pt")
-    rc, err = run("--run-dir", str(run_dir))
-    assert rc == 2 and len(err.splitlines()) == 1 and "ZeRO-0" in err, err
-    (run_dir / "checkpoints" / "step00000005" / "layer_01-model_00-model_states.pt").write_bytes(b"")
-    rc, err = run("--run-dir", str(run_dir))
-    assert rc == 2 and len(err.splitlines()) == 1 and "pipeline-parallel" in err, err
-
-
-@pytest.mark.parametrize("name", ["muon-dp2-to-one-rank", "muon-tp2-to-ep2"])
-def test_a_muon_run_resumes_at_another_layout_with_its_momentum(name, runs):
-    """Muon's momentum, kept per matrix on its owner rank, goes through the conversion (merged
-    over the data-parallel partitions and the tp shards as DeepSpeed merges Adam's moments) and
-    is cut again at the new layout: steps 6-10 continue the uninterrupted run to 1e-6. Without
-    it (the momenta zeroed in the conversion) step 7 moves by 1.6e-5 (measured, dp2 to one rank)."""
-    tmp, _ = runs
-    control = "muon-dp2-control" if name.startswith("muon-dp2") else "muon-tp2-control"
-    universal = tmp / name / "checkpoints" / "universal" / "step00000005"
-    assert (universal / "muon_momentum" / "layers.0.self_attn.q_proj.weight.pt").is_file()
-    assert not (universal / "zero" / "layers.0.self_attn.q_proj.weight" / "exp_avg.pt").exists()
-    assert (universal / "zero" / "norm.weight" / "exp_avg.pt").is_file()        # AdamW's, as before
-    _assert_continues(rows(tmp / control), rows(tmp / name))

@@ -21,6 +21,7 @@ from pathlib import Path
 LATEST = "latest"
 UNIVERSAL = "universal"                 # <ckpt>/universal/<tag>/: launch/to_universal.py
 LATEST_UNIVERSAL = "latest_universal"   # DeepSpeed's pointer in <ckpt>/universal/
+PARAM_NAMES = "param_names"   # client_state: each optimizer group's parameter names (ZeRO-0's files lack them)
 
 
 def tag_for_step(step: int) -> str:

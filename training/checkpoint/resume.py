@@ -14,9 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
 
-from training.checkpoint import manifest, safe_load
+from training.checkpoint import manifest, safe_load, universal_load
 from training.checkpoint.layout import LATEST, LATEST_UNIVERSAL, UNIVERSAL, candidates, universal_tag
 from training.checkpoint.state import TrainState
 
@@ -85,8 +84,8 @@ def _layout_mismatch(engine, folder: Path) -> str | None:
     saved_dp, saved_mp = meta.get("dp_world_size"), meta.get("mp_world_size")
     dp, mp = engine.dp_world_size, engine.mp_world_size
     if saved_mp != mp or (saved_dp != dp and any(Path(folder).glob("*optim_states.pt"))):
-        return (f"saved by data-parallel size {saved_dp} x model-parallel (tp x ep) size "
-                f"{saved_mp}, this run has {dp} x {mp}")
+        return (f"saved by data-parallel size {saved_dp} x model-parallel size {saved_mp} (pipeline "
+                f"stages x tp x ep), this run has {dp} x {mp}")
     # Same mp size, other split (tp2 vs ep2): shards have the same shapes on every mp rank of
     # one layout, so every rank compares its own with rank 0's and all decide alike.
     shapes = {k: tuple(v) for group in meta.get("param_shapes") or [] for k, v in group.items()}
@@ -126,70 +125,20 @@ def load(engine, ckpt_dir: Path, state: TrainState) -> int | None:
                          f"true}} in the DeepSpeed JSON")
     if universal:
         load_dir = Path(ckpt_dir) / UNIVERSAL
-        problem = _universal_mismatch(engine, load_dir / tag)
-        if problem:
-            raise ValueError(f"universal checkpoint {load_dir / tag}: {problem}")
-    from deepspeed.utils import groups as ds_groups
-    saved_flag = engine._config.load_universal_checkpoint
-    saved_tp = ds_groups._TENSOR_MODEL_PARALLEL_GROUP
-    engine._config.load_universal_checkpoint = universal     # DeepSpeed reads it at load time only
-    if universal and engine.zero_optimization_stage() == 3 and engine.mp_world_size > 1:
-        # ZeRO-3's universal restore cuts each shard over the tensor-parallel group of
-        # deepspeed.utils.groups, which only AutoTP sets ("intra_layer_model parallel group is
-        # not initialized"); ours is the tp x ep group DeepSpeed got as ``mpu``.
-        ds_groups._TENSOR_MODEL_PARALLEL_GROUP = engine.mpu.get_model_parallel_group()
-    safe_load.install(engine)                  # DeepSpeed's own reads: weights only
-    try:
-        path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
-    finally:
-        engine._config.load_universal_checkpoint = saved_flag
-        ds_groups._TENSOR_MODEL_PARALLEL_GROUP = saved_tp
-    if path is None:
-        raise ValueError(f"checkpoint {load_dir / tag} could not be loaded (corrupted or "
-                         f"incomplete): delete it and point {LATEST} at an older tag")
-    if universal and engine.zero_optimization_stage() == 3:
-        _fix_zero3_universal_load(engine, load_dir / tag)
+        client_state = universal_load.load(engine, load_dir / tag)
+    else:
+        saved_flag = engine._config.load_universal_checkpoint
+        engine._config.load_universal_checkpoint = False    # DeepSpeed reads it at load time only
+        safe_load.install(engine)                  # DeepSpeed's own reads: weights only
+        try:
+            path, client_state = engine.load_checkpoint(str(load_dir), tag=tag)
+        finally:
+            engine._config.load_universal_checkpoint = saved_flag
+        if path is None:
+            raise ValueError(f"checkpoint {load_dir / tag} could not be loaded (corrupted or "
+                             f"incomplete): delete it and point {LATEST} at an older tag")
     fresh = [name for name, part in state.per_rank.items() if not hasattr(part, "load_universal")]
     if universal and fresh and engine.global_rank == 0:
         print(f"warning: {', '.join(fresh)} start afresh: per-rank state does not carry "
               f"over a layout change", file=sys.stderr, flush=True)
     return state.load(client_state, folder, same_world=not universal, universal=load_dir / tag if universal else None)
-
-
-def _universal_mismatch(engine, folder: Path) -> str | None:
-    """Why DeepSpeed 0.19.8 cannot load the universal checkpoint ``folder`` into ``engine``."""
-    stage = engine.zero_optimization_stage()
-    if stage == 0:        # DeepSpeed restores universal weights through the ZeRO optimizer only
-        return ("ZeRO-0 cannot load a universal checkpoint (nothing would be restored): set "
-                "zero_optimization.stage to 1-3")
-    saved = safe_load.load(folder / "zero" / "optimizer_state.pt", mmap=True).get("zero_stage")
-    if saved is not None and (int(saved) == 3) != (stage == 3):
-        return (f"converted from a ZeRO-{int(saved)} checkpoint, this run uses ZeRO-{stage}; "
-                f"DeepSpeed loads a ZeRO-3 conversion only into ZeRO-3 and a ZeRO 1-2 one only "
-                f"into ZeRO 1-2: set zero_optimization.stage accordingly")
-    return None
-
-
-def _fix_zero3_universal_load(engine, folder: Path) -> None:
-    """Undo two slips of DeepSpeed 0.19.8's ZeRO-3 universal load
-    (``stage3.py``, ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``):
-
-    - it stores ONE ``step`` tensor in the Adam state of every sub-group; torch's Adam adds 1
-      to it in place per sub-group, so after resuming the bias correction counts each step
-      once per sub-group (losses off by ~1e-4 after 4 steps here);
-    - it gives every parameter group the settings of group 0: our no-decay group (norms,
-      embeddings) would resume with weight decay.
-    """
-    opt = engine.optimizer
-    for fp32 in opt.fp32_partitioned_groups_flat:
-        state = opt.optimizer.state.get(fp32, {})
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
-    saved = safe_load.load(folder / "zero" / "optimizer_state.pt",
-                            mmap=True)["optimizer_state_dict"]["param_groups"]
-    live = opt.optimizer.param_groups
-    if len(saved) != len(live):
-        raise ValueError(f"universal checkpoint {folder} has {len(saved)} optimizer parameter "
-                         f"groups, this run {len(live)}: resume with the same optimizer settings")
-    for group, settings in zip(live, saved):
-        group.update({k: v for k, v in settings.items() if k != "params"})

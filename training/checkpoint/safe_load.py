@@ -7,8 +7,8 @@ its flat buffers); they are allowed here and nothing else is. A file that holds 
 is refused with one line instead of being executed. ``install`` makes DeepSpeed's own checkpoint
 engine load the same way for ``engine.load_checkpoint``.
 
-Still unpickled in full (DeepSpeed reads them with ``weights_only=False`` itself): the universal
-checkpoint (``launch/to_universal.py``'s output, loaded with ``"load_universal": true``).
+The universal conversion (``interop/universal.py``) and its loading
+(``universal_load.py``) read every file through ``load`` as well.
 """
 
 from __future__ import annotations

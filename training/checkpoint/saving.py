@@ -54,7 +54,7 @@ import torch
 
 from model.parallel import comm
 from training.checkpoint import manifest
-from training.checkpoint.layout import LATEST, tag_for_step
+from training.checkpoint.layout import LATEST, PARAM_NAMES, tag_for_step
 from training.checkpoint.state import TrainState, rank_file
 from training.files import atomic_write, sync_directory, sync_path
 
@@ -126,8 +126,9 @@ class Saver:
                 stale.unlink(missing_ok=True)  # DeepSpeed's first barrier orders this before any write
         rank_state = state.rank_state()
         with _engine_writes(self.engine, save, self.background, self.progress):
+            names = {PARAM_NAMES: self.engine.group_param_names} if hasattr(self.engine, "group_param_names") else {}
             self.engine.save_checkpoint(str(self.ckpt_dir), tag=save.folder.name,
-                                        client_state=state.client_state(step), save_latest=False)
+                                        client_state={**state.client_state(step), **names}, save_latest=False)
             if rank_state is not None:      # through the engine's writer: snapshotted, fsynced, hashed
                 save.folder.mkdir(parents=True, exist_ok=True)
                 self.engine.checkpoint_engine.save(rank_state, str(rank_file(save.folder, state.rank)))

@@ -25,7 +25,7 @@ def _strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _runs(values) -> list[list[int]]:
+def runs_of(values) -> list[list[int]]:
     """``[source start, shard start, length]`` of each run of consecutive indices in ``values``."""
     if values and values == list(range(values[0], values[0] + len(values))):
         return [[values[0], 0, len(values)]]                   # one run: compared at C speed
@@ -61,7 +61,7 @@ def _boxes(cfg, tp: int, ep: int, expert_placement: str):
                     index[dim] = [index[dim][i] for i in idx]
                 full_shapes[name] = tuple(p.full_shape)
                 shard_shapes.setdefault(name, {})[mp_rank] = tuple(p.shape)
-                boxes.setdefault(name, {})[mp_rank] = list(itertools.product(*map(_runs, index)))
+                boxes.setdefault(name, {})[mp_rank] = list(itertools.product(*map(runs_of, index)))
     return boxes, full_shapes, shard_shapes
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from model import Transformer, TransformerConfig
 from model.moe.layer import set_shared_expert_overlap
 from model.parallel.groups import ParallelGroups
+from model.parallel.draw import canonical_name
 from training.checkpoint.shard_maps import enable_universal_checkpoint
 from training.engine.compile import compile_blocks
 from training.engine.sharded_build import build_partitioned, builds_partitioned
@@ -103,9 +104,15 @@ def build_engine(model: Transformer, ds: dict, total_steps: int, groups: Paralle
     # of this process without one (several runs in one process) would reduce over the old groups.
     from deepspeed.utils import groups as ds_groups
     ds_groups.mpu = None
+    # Each optimizer group's parameters by name, saved with every checkpoint: ZeRO-0's optimizer
+    # state is indexed by position only (interop/universal_sources.py reads it by these names).
+    named = {id(p): canonical_name(n) for n, p in model.named_parameters()}
+    names = [[named[id(p)] for p in g["params"]]
+             for g in (client_opt.param_groups if client_opt is not None else param_groups)]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups,
                                       optimizer=client_opt, lr_scheduler=lr_scheduler,
                                       config=ds, mpu=mpu)
+    engine.group_param_names = names   # not param_names: DeepSpeed has its own
     if groups.pp > 1:
         from training.engine import pipe_schedules
         pipe_schedules.install(engine, pipeline_schedule)

@@ -41,7 +41,7 @@ overlapped with it); at fp32 ZeRO-0 every rank keeps every momentum and runs eve
 Newton-Schulz, as it keeps every Adam moment there. The memory estimator counts the momentum
 and the update's buffers (``planning/muon_cost.py``). The momentum is saved per rank
 (``trainer_state_rank<r>.pt``, ``muon``) and goes through the universal conversion beside
-DeepSpeed's state (``interop/muon_universal.py``).
+DeepSpeed's state (``interop/universal.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from model.parallel.whole_matrix import TpShards, broadcast_from, group_size, ow
 
 from training.optim.muon import MuonSettings, _shape, is_muon, is_muon_type
 
-MOMENTUM = "muon_momentum"      # the universal checkpoint's folder of whole momenta (interop/muon_universal.py)
+MOMENTUM = "muon_momentum"      # the universal checkpoint's folder of whole momenta (interop/universal.py)
 
 # Keller Jordan's quintic coefficients (torch.optim.Muon's defaults).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -174,14 +174,14 @@ class MuonUpdate:
         return {"momentum": {k: v.detach().cpu() for k, v in self.momentum.items()}, "mp_rank": self.mp_rank}
 
     def load_universal(self, folder: Path) -> None:
-        """The momentum from a universal checkpoint (``interop/muon_universal.py``): each matrix
+        """The momentum from a universal checkpoint (``interop/universal.py``): each matrix
         this rank keeps, cut out of its whole tensor by the parameter's ``shard_spec``."""
-        from model.parallel.draw import take_shard
+        from model.parallel.draw import canonical_name, take_shard
         saved = {}
         for m in self.matrices:
             if not (self.whole_grads or m.mine):
                 continue
-            path = Path(folder) / MOMENTUM / f"{m.name}.pt"
+            path = Path(folder) / MOMENTUM / f"{canonical_name(m.name)}.pt"
             if not path.is_file():
                 raise ValueError(f"universal checkpoint {folder} has no {MOMENTUM}/{path.name}: convert the "
                                  f"Muon run again with this code's launch/to_universal.py")

@@ -214,21 +214,6 @@ def test_momentum_saved_by_another_number_of_ranks_is_gathered_per_matrix():
         update.load_state_dict({"momentum": {"0.weight": torch.zeros(3, 8), "1.weight": torch.zeros(4, 6)}})
 
 
-def test_to_universal_refuses_a_zero3_muon_run_in_one_line(tmp_path):
-    import subprocess
-    import sys
-    from tests.runs import REPO, env
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(
-        {"recipe": {"model": {"family": "dense"}}, "ds_config": {"optimizer": {"type": "Muon", "params": {}},
-                                                                 "zero_optimization": {"stage": 3}}}))
-    out = subprocess.run([sys.executable, "launch/to_universal.py", "--run-dir", str(run_dir)], cwd=REPO,
-                         env=env(), capture_output=True, text=True, timeout=120)
-    err = out.stderr.strip()
-    assert out.returncode == 2 and len(err.splitlines()) == 1 and "ZeRO-3 Muon run's momentum" in err, err
-
-
 def test_the_estimator_counts_one_momentum_and_the_newton_schulz_step():
     """Muon's memory and step in ``launch/estimate_memory.py`` on Moonlight's recipe at 64 GPUs,
     ZeRO-2: the optimizer states are AdamW's with each Muon element's two moments (8 bytes over
