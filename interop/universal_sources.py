@@ -61,15 +61,14 @@ class NativeCheckpoint:
     def __init__(self, folder: Path, cfg, world: dict, placement: str = "contiguous"):
         self.folder, self.cfg = Path(folder), cfg
         self.tp, self.ep = int(world.get("tensor_parallel_size", 1)), int(world.get("expert_parallel_size", 1))
-        self.pp, self.placement, self.mp = int(world.get("pipeline_parallel_size", 1)), placement, None
-        self.mp = self.tp * self.ep
+        self.pp, self.mp = int(world.get("pipeline_parallel_size", 1)), self.tp * self.ep
         self._open: dict[Path, dict] = {}
         self.optimizer_state = True      # False: a ZeRO-0 checkpoint of older code (weights only)
         self.specs = source_specs(cfg, self.tp, self.ep, placement)
         self.buffer_names = self.specs["buffers"]
         self.copies: dict[str, dict[int, _Copy]] = {}
         self.groups: dict[str, dict] = {}                        # optimizer group name -> settings
-        self.buffer_files: dict[str, Path] = {}
+        self.buffer_files: dict[str, tuple] = {}                # name -> (file, key or None, key)
         zero = sorted(((int(m.group(3)), int(m.group(2)), f) for f in self.folder.iterdir()
                        if (m := _ZERO.match(f.name))))
         first = self._load(zero[0][2])["optimizer_state_dict"] if zero else None
@@ -92,7 +91,12 @@ class NativeCheckpoint:
 
     def _load(self, path: Path) -> dict:
         if path not in self._open:
-            self._open[path] = safe_load.load(path, mmap=True)
+            try:
+                self._open[path] = safe_load.load(path, mmap=True)
+            except RuntimeError as err:             # not torch's zip format: a legacy or damaged
+                if "mmap can only be used" not in str(err):     # file, read whole (and judged)
+                    raise
+                self._open[path] = safe_load.load(path)
         return self._open[path]
 
     def _states_files(self) -> list[tuple[int, Path]]:
