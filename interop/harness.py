@@ -140,11 +140,14 @@ class HarnessModel(TemplateLM):
 def run_tasks(model, tokenizer, tasks: list[str], include_path: str | None = None, limit: int | None = None,
               num_fewshot: int | None = None, batch_size: int = 8) -> dict:
     """``lm_eval.simple_evaluate`` of ``tasks`` on ``model`` in memory; lm-eval's dict (its
-    top-level ``results`` included). ValueError (one line) for an unknown task, or for a task
-    whose dataset must be downloaded while the machine is offline."""
+    top-level ``results`` included). Tasks found under ``include_path`` alone are looked up
+    there without indexing lm-eval's own. ValueError (one line) for an unknown task, or for a
+    task whose dataset must be downloaded while the machine is offline."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-    manager = TaskManager(include_path=include_path)
+    manager = TaskManager(include_defaults=False, include_path=include_path) if include_path else None
+    if manager is None or any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=include_path)       # lm-eval's own ~15k tasks: ~8 s to index
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" (nor under --include-path {include_path})" if include_path else ""

@@ -47,8 +47,9 @@ def _write_tasks(folder) -> None:
 def _evaluate(model, folder) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
+    manager = TaskManager(include_defaults=False, include_path=str(folder))    # the local tasks only
     return lm_eval.simple_evaluate(model=model, tasks=["tiny_mc", "tiny_ppl"], log_samples=True,
-                                   task_manager=TaskManager(include_path=str(folder)), bootstrap_iters=0)
+                                   task_manager=manager, bootstrap_iters=0)
 
 
 def _per_doc(out: dict, task: str) -> list:
