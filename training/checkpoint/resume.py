@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 from training.checkpoint import manifest, safe_load, universal_load
 from training.checkpoint.layout import LATEST, LATEST_UNIVERSAL, UNIVERSAL, candidates, universal_tag
 from training.checkpoint.state import TrainState
@@ -102,8 +101,8 @@ def load(engine, ckpt_dir: Path, state: TrainState) -> int | None:
 
     With ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON, the universal
     conversion of the newest checkpoint (``launch/to_universal.py``, under
-    ``<ckpt>/universal/``) is loaded at this run's layout. The conversion carries the trainer's
-    ``client_state`` (DeepSpeed copies the ``mp_rank_*_model_states.pt`` files into it). A newer
+    ``<ckpt>/universal/``) is loaded at this run's layout (``universal_load.py``), with the
+    trainer's ``client_state`` it carries. A newer
     native checkpoint, i.e. one this layout saved after resuming from the conversion, is loaded
     natively, so the same command keeps resuming.
     """

@@ -1,11 +1,12 @@
-"""How each parameter is cut over the tp x ep ranks, for DeepSpeed's universal checkpoints.
+"""How each parameter is cut over the tp x ep ranks, described to DeepSpeed's own converter.
 
-DeepSpeed's ``ds_to_universal`` merges the model-parallel shards of a checkpoint into whole
-tensors, and a universal checkpoint is cut again at the loading run's layout. Its own rule
-(chunk along one dimension) cannot describe experts or row-parallel weights, so every
-parameter's cut is given as a ``deepspeed.checkpoint.affine.ParamAffineMap``, derived from the
-``shard_spec`` each parameter carries (``model/parallel/layers.py``). Saving and loading
-checkpoints is ``saving.py`` and ``resume.py`` beside this file; the conversion, ``interop/universal.py``.
+The trainer's conversion (``interop/universal.py``) and its load (``universal_load.py``) read the
+cuts from each parameter's ``shard_spec`` directly. This module also describes them in the form
+DeepSpeed's ``ds_to_universal`` and universal loaders read, so that DeepSpeed's own tools stay
+usable on this trainer's dp, tp and ep checkpoints: DeepSpeed's rule (chunk along one dimension)
+cannot describe experts or row-parallel weights, so every parameter's cut is given as a
+``deepspeed.checkpoint.affine.ParamAffineMap``, derived from its ``shard_spec``
+(``model/parallel/layers.py``). ``runs_of`` is shared with the trainer's reader.
 """
 
 from __future__ import annotations
@@ -96,13 +97,13 @@ def shard_maps(cfg, tp: int, ep: int, expert_placement: str = "contiguous") -> d
 
 
 def enable_universal_checkpoint(model, groups) -> None:
-    """Describe ``model``'s sharding for DeepSpeed's universal checkpoint.
+    """Describe ``model``'s sharding to DeepSpeed's own universal-checkpoint tools.
 
-    Sets ``model.universal_checkpoint_info`` (saved into every checkpoint; ``ds_to_universal``
-    merges the tp x ep shards with its affine maps) and, under tensor/expert parallelism, each
-    parameter's restore map (``ds_autotp_universal_checkpoint_meta``), with which a universal
-    checkpoint loads into this layout: DeepSpeed's own rule (chunk along one dim) cannot cut
-    experts or row-parallel weights.
+    Sets ``model.universal_checkpoint_info`` (saved into every checkpoint; DeepSpeed's
+    ``ds_to_universal`` merges the tp x ep shards with its affine maps) and, under
+    tensor/expert parallelism, each parameter's restore map
+    (``ds_autotp_universal_checkpoint_meta``), with which DeepSpeed's loader would cut a
+    universal checkpoint for this layout. The trainer's own conversion does not need them.
     """
     from deepspeed.checkpoint.affine import AFFINE_MAP_FORMAT_VERSION
     from deepspeed.checkpoint.constants import (AFFINE_MAP, AFFINE_MAP_PARAMS, AFFINE_MAP_VERSION,
