@@ -248,13 +248,9 @@ class NativeCheckpoint:
         """The full tensor ``key`` (``keys``) of parameter ``name``: its data-parallel pieces
         joined, its tp x ep copies merged by their cuts (a replicated one read once)."""
         by_mp = self.copies[name]
-        if self._replicated(name, by_mp):
+        if replicated(name, self.specs, by_mp):
             return self._copy_tensor(by_mp[min(by_mp)], key)
         return self.merge(name, {mp: self._copy_tensor(copy, key) for mp, copy in by_mp.items()})
-
-    def _replicated(self, name: str, ranks) -> bool:
-        shape = self.specs["full"][name]
-        return not any(list(idx) != list(range(shape[dim])) for mp in ranks for dim, idx in self.specs[mp][name])
 
     def merge(self, name: str, shards: dict[int, torch.Tensor]) -> torch.Tensor:
         """The full tensor of parameter ``name`` from its tp x ep ranks' ``shards``, each written
@@ -268,10 +264,16 @@ class NativeCheckpoint:
         return (sd[key] if key else sd)[k].float()
 
 
+def replicated(name: str, specs: dict, ranks) -> bool:
+    """Whether every one of ``ranks`` holds parameter ``name`` whole (``source_specs``)."""
+    shape = specs["full"][name]
+    return not any(list(idx) != list(range(shape[dim])) for mp in ranks for dim, idx in specs[mp][name])
+
+
 def merge(name: str, specs: dict, shards: dict[int, torch.Tensor]) -> torch.Tensor:
     """``NativeCheckpoint.merge`` for ``specs`` (``source_specs``) and tp x ep ``shards``."""
     full_shape = specs["full"][name]
-    if not any(list(idx) != list(range(full_shape[dim])) for mp in shards for dim, idx in specs[mp][name]):
+    if replicated(name, specs, shards):
         return shards[min(shards)].float()                     # replicated: one copy
     out, written = torch.empty(full_shape), set()
     for mp, shard in sorted(shards.items()):
